@@ -1,0 +1,60 @@
+# labkit: the commands the README names. `make help` lists them.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+# Where there is no GPU: the CPU build of torch (from local disk on this project's build machines;
+# elsewhere add e.g. PIP_EXTRA_INDEX_URL pointing at PyTorch's CPU wheel index) and the Triton
+# release the GPU image runs, for its interpreter.
+TORCH_CPU ?= torch==2.13.0
+TRITON_CPU ?= triton==3.6.0
+# On a GPU host without a venv (an offline workshop node), gpu-check and record use $(PYTHON).
+GPY = $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
+STAMP := $(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: help lab test run gpu-check record venv clean
+help:
+	@echo "make lab        set up .venv and open JupyterLab on notebooks/ (127.0.0.1, with a token)"
+	@echo "make test       set up .venv if needed and run every test, notebooks included"
+	@echo "make run        execute every notebook headless into runs/<timestamp>/ with a summary"
+	@echo "make gpu-check  on a CUDA host: GPU tests, notebooks at full size, benchmarks -> gpu-results/"
+	@echo "make record     on a CUDA host: refresh the recorded GPU figures in labkit/recorded_data/"
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@set -e; \
+	if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+	  echo "labkit: CUDA torch found in $(PYTHON): the venv uses it as it is"; \
+	  [ -x $(VPY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  if nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "labkit: this host has a GPU but $(PYTHON) has no CUDA build of torch."; \
+	    echo "  Install one into $(PYTHON) first, or point make at a Python that has it: make lab PYTHON=/path/to/python"; \
+	    exit 1; \
+	  fi; \
+	  echo "labkit: no GPU here: installing the CPU build ($(TORCH_CPU)) and Triton for its interpreter"; \
+	  [ -x $(VPY) ] || $(PYTHON) -m venv $(VENV); \
+	  $(VPY) -m pip install -q --disable-pip-version-check $(TORCH_CPU) $(TRITON_CPU); \
+	fi; \
+	$(VPY) -m pip install -q --disable-pip-version-check -e '.[lab,test]'; \
+	$(VPY) -m ipykernel install --sys-prefix --name labkit --display-name "labkit (.venv)" >/dev/null; \
+	touch $@
+
+lab: venv
+	$(VPY) -m jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False
+
+test: venv
+	$(VPY) -m pytest
+
+run: venv
+	$(VPY) -m labkit.run_notebooks --out runs/$(STAMP)
+
+gpu-check:
+	$(GPY) -m labkit.gpu_check --out gpu-results/$(STAMP)
+
+record:
+	$(GPY) -m labkit.record
+
+clean:
+	rm -rf $(VENV) runs test-results build *.egg-info

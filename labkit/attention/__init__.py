@@ -1,0 +1,1 @@
+"""Attention kernels, references and backend selection (issue 4)."""

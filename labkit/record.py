@@ -1,0 +1,43 @@
+"""`make record`: re-measure every recorded GPU figure on this CUDA host and write it as data.
+
+Each entry names a function that takes no arguments, measures on the GPU and returns a
+JSON-serialisable dict; :func:`labkit.recorded.save` adds the fingerprint, date and commit.
+A notebook shows ``labkit.recorded.load(name)`` where no GPU is present.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+import labkit  # noqa: F401  (device set-up first)
+from labkit import recorded
+
+RECORDERS: dict[str, str] = {
+    "device_peaks": "labkit.peaks:record",
+    "launch_overhead": "labkit.launch_overhead:record",
+}
+
+
+def _resolve(spec: str):
+    module, _, func = spec.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"which to record (default all: {list(RECORDERS)})")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in RECORDERS]
+    if unknown:
+        parser.error(f"unknown recordings {unknown}; known: {list(RECORDERS)}")
+    for name in args.names or RECORDERS:
+        t0 = time.perf_counter()
+        path = recorded.save(name, _resolve(RECORDERS[name])())
+        print(f"recorded {name:<20} -> {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

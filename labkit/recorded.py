@@ -1,0 +1,99 @@
+"""Figures measured on a real GPU, kept as data and shown, labelled, where no GPU is present.
+
+Each recording is one JSON file in ``labkit/recorded_data/``: the numbers, the fingerprint of the
+machine that measured them, the date and the command. Only ``make record`` on a CUDA host writes
+them (:func:`save` refuses elsewhere), so nothing shown as a GPU result is ever typed in by hand.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from labkit.device import describe, fingerprint
+
+DATA_DIR = Path(__file__).parent / "recorded_data"
+REQUIRED_FINGERPRINT = ("gpu", "driver", "cuda", "torch", "triton", "python")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    name: str
+    data: dict
+    fingerprint: dict
+    date: str
+    command: str
+    commit: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Exactly where the numbers came from; shown beside every recorded figure."""
+        commit = f", labkit {self.commit[:10]}" if self.commit else ""
+        return (f"Recorded on {describe(self.fingerprint)}, {self.date[:10]}, "
+                f"by `{self.command}`{commit}; not measured on this machine")
+
+
+class RecordingMissing(LookupError):
+    pass
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in DATA_DIR.glob("*.json"))
+
+
+def validate(raw: dict, name: str = "?") -> None:
+    """A recording must say where it came from: a real GPU, its driver and the versions."""
+    for key in ("data", "fingerprint", "date", "command"):
+        if key not in raw:
+            raise ValueError(f"recording {name!r} lacks {key!r}")
+    fp = raw["fingerprint"]
+    missing = [k for k in REQUIRED_FINGERPRINT if not fp.get(k)]
+    if missing:
+        raise ValueError(f"recording {name!r} has no {missing} in its fingerprint: it cannot "
+                         "have come from a GPU run (regenerate it with `make record`)")
+    if fp.get("interpreter"):
+        raise ValueError(f"recording {name!r} was made with Triton's interpreter, not on a GPU")
+    _dt.datetime.fromisoformat(raw["date"])
+
+
+def load(name: str) -> Recorded:
+    path = DATA_DIR / f"{name}.json"
+    if not path.exists():
+        raise RecordingMissing(
+            f"no recorded GPU figures named {name!r} (have: {available()}); run `make record` "
+            "on a CUDA host to create them")
+    raw = json.loads(path.read_text())
+    validate(raw, name)
+    return Recorded(name=name, data=raw["data"], fingerprint=raw["fingerprint"], date=raw["date"],
+                    command=raw["command"], commit=raw.get("commit"))
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def save(name: str, data: dict, command: str = "make record") -> Path:
+    """Write a recording. Refuses without a CUDA device: recorded figures come from a GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("recorded figures can only be written on a CUDA host (`make record`)")
+    raw = {
+        "data": data,
+        "fingerprint": fingerprint(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "commit": _git_commit(),
+    }
+    validate(raw, name)
+    DATA_DIR.mkdir(exist_ok=True)
+    path = DATA_DIR / f"{name}.json"
+    path.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
+    return path
