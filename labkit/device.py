@@ -100,7 +100,7 @@ def describe(fp: dict | None = None) -> str:
     """One line a learner can read: ``NVIDIA H200 (driver 580.1, CUDA 13.0) | torch 2.11 ...``."""
     fp = fp or fingerprint()
     where = (
-        f"{fp['gpu']} (sm {fp['compute_capability']}, driver {fp['driver']}, CUDA {fp['cuda']})"
+        f"{fp['gpu']} (sm {fp.get('compute_capability')}, driver {fp.get('driver')}, CUDA {fp.get('cuda')})"
         if fp.get("gpu")
         else f"CPU only ({fp.get('cpu_count')} cores)"
     )

@@ -1,0 +1,202 @@
+"""See what the CPU and the GPU did: ``trace(fn)`` -> event table -> plotly timeline + summary.
+
+The profiler (Kineto/CUPTI) records CPU ops, CUDA runtime calls and GPU kernels, and ties each
+launch to the kernel it started through a correlation id. That link is the lesson: a gap on the
+GPU lane that starts where a launch starts on the CPU lane is launch overhead, and graphs or
+compilation are the fix; a GPU lane that is busy end to end means launches are not the problem.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from labkit.device import fingerprint, select_device
+
+GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+CPU_CATEGORIES = {"cpu_op": "cpu_op", "user_annotation": "annotation",
+                  "cuda_runtime": "runtime", "cuda_driver": "runtime"}
+LAUNCH_NAMES = ("LaunchKernel", "GraphLaunch", "Memcpy", "Memset", "LaunchCooperativeKernel")
+EVENT_COLUMNS = ["lane", "kind", "name", "start_us", "dur_us", "depth", "correlation"]
+
+
+def parse_chrome_trace(raw: dict) -> pd.DataFrame:
+    """Chrome-trace JSON (as ``export_chrome_trace`` writes it) -> one row per complete event."""
+    rows = []
+    for e in raw.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        args = e.get("args", {}) or {}
+        if cat in GPU_CATEGORIES:
+            kind = GPU_CATEGORIES[cat]
+            lane = f"GPU {args.get('device', e.get('pid'))} stream {args.get('stream', e.get('tid'))}"
+        elif cat in CPU_CATEGORIES:
+            kind = CPU_CATEGORIES[cat]
+            lane = f"CPU thread {e.get('tid')}"
+        else:
+            continue
+        corr = args.get("correlation")
+        rows.append((lane, kind, e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0)),
+                     0, int(corr) if corr is not None else -1))
+    df = pd.DataFrame(rows, columns=EVENT_COLUMNS)
+    if df.empty:
+        return df
+    df["start_us"] -= df["start_us"].min()
+    df = df.sort_values(["lane", "start_us", "dur_us"], ascending=[True, True, False],
+                        ignore_index=True)
+    df["depth"] = _nesting_depth(df)
+    return df
+
+
+def _nesting_depth(df: pd.DataFrame) -> list[int]:
+    """How deep each CPU event sits inside its enclosing events (aten op inside a module...)."""
+    depth = [0] * len(df)
+    stacks: dict[str, list[float]] = {}
+    for i, (lane, start, dur) in enumerate(zip(df["lane"], df["start_us"], df["dur_us"])):
+        if lane.startswith("GPU"):
+            continue
+        stack = stacks.setdefault(lane, [])
+        while stack and stack[-1] <= start:
+            stack.pop()
+        depth[i] = len(stack)
+        stack.append(start + dur)
+    return depth
+
+
+def _union_intervals(starts, ends) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for s, e in sorted(zip(starts, ends)):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def launch_links(events: pd.DataFrame) -> pd.DataFrame:
+    """Each GPU activity joined to the CPU call that launched it (first kernel per launch)."""
+    launches = events[(events.kind == "runtime") & (events.correlation >= 0)
+                      & events.name.str.contains("|".join(LAUNCH_NAMES))]
+    gpu = events[events.lane.str.startswith("GPU") & (events.correlation >= 0)]
+    gpu = gpu.sort_values("start_us").drop_duplicates("correlation")
+    return launches.merge(gpu, on="correlation", suffixes=("_cpu", "_gpu"))
+
+
+def summarize(events: pd.DataFrame) -> dict:
+    """The numbers that say whether launch overhead matters here."""
+    if events.empty:
+        return {"events": 0}
+    span = float((events.start_us + events.dur_us).max() - events.start_us.min())
+    out: dict = {"events": int(len(events)), "window_us": span}
+    gpu = events[events.lane.str.startswith("GPU")]
+    if len(gpu):
+        busy = _union_intervals(gpu.start_us, gpu.start_us + gpu.dur_us)
+        gpu_span = busy[-1][1] - busy[0][0]
+        gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+        links = launch_links(events)
+        launch_starts = links.start_us_cpu.sort_values()
+        out.update({
+            "kernel_count": int((gpu.kind == "kernel").sum()),
+            "gpu_busy_us": sum(e - s for s, e in busy),
+            "gpu_span_us": gpu_span,
+            "gpu_busy_fraction": sum(e - s for s, e in busy) / gpu_span if gpu_span else 1.0,
+            "idle_gaps": len([g for g in gaps if g > 0.5]),
+            "idle_total_us": sum(gaps),
+            "largest_gap_us": max(gaps, default=0.0),
+            "mean_kernel_us": float(gpu[gpu.kind == "kernel"].dur_us.mean()),
+            "launches": int(len(links)),
+            "mean_launch_to_start_us": float((links.start_us_gpu - links.start_us_cpu).mean())
+            if len(links) else None,
+            "launch_api_us": float(links.dur_us_cpu.mean()) if len(links) else None,
+            "cpu_us_per_launch": float(launch_starts.diff().dropna().mean())
+            if len(links) > 1 else None,
+        })
+    else:
+        top = events[(events.depth == 0) & (events.kind == "cpu_op")].sort_values("start_us")
+        ends = top.start_us + top.dur_us
+        gaps = (top.start_us.iloc[1:].values - ends.iloc[:-1].values) if len(top) > 1 else []
+        out.update({
+            "top_level_ops": int(len(top)),
+            "mean_op_us": float(top.dur_us.mean()) if len(top) else None,
+            "mean_gap_between_ops_us": float(pd.Series(gaps).mean()) if len(gaps) else None,
+            "cpu_busy_fraction": float(top.dur_us.sum() / span) if span else None,
+        })
+    return out
+
+
+def thin(events: pd.DataFrame, max_events: int) -> tuple[pd.DataFrame, int]:
+    """Keep a figure small: GPU activity and launches first, then the longest CPU events."""
+    if len(events) <= max_events:
+        return events, 0
+    linked = events.lane.str.startswith("GPU") | (events.kind == "runtime")
+    keep = events[linked].sort_values("start_us").head(max_events)
+    room = max_events - len(keep)
+    if room > 0:
+        keep = pd.concat([keep, events[~linked].nlargest(room, "dur_us")])
+    return keep.sort_values(["lane", "start_us"], ignore_index=True), len(events) - len(keep)
+
+
+@dataclass
+class Trace:
+    events: pd.DataFrame
+    summary: dict
+    fingerprint: dict = field(default_factory=dict)
+    chrome_trace: dict | None = field(default=None, repr=False)
+
+    def summary_table(self) -> pd.DataFrame:
+        return pd.DataFrame({"value": pd.Series(self.summary)})
+
+    def figure(self, title: str = "", max_events: int = 2500):
+        from labkit.timeline import timeline_figure
+
+        return timeline_figure(self.events, title=title, max_events=max_events)
+
+    def export_chrome(self, path: str | os.PathLike) -> str:
+        """Write the raw trace; open it at ui.perfetto.dev or chrome://tracing."""
+        if self.chrome_trace is None:
+            raise ValueError("this trace was rebuilt from saved events and has no raw trace")
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace, f)
+        return str(path)
+
+    def to_dict(self, max_events: int = 1500) -> dict:
+        kept, _ = thin(self.events, max_events)
+        return {"events": kept.round(3).to_dict(orient="list"), "summary": self.summary,
+                "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trace":
+        return cls(events=pd.DataFrame(d["events"], columns=EVENT_COLUMNS), summary=d["summary"],
+                   fingerprint=d.get("fingerprint", {}))
+
+
+def trace(fn: Callable, *args, device: str | torch.device = "auto", warmup: int = 1,
+          **kwargs) -> Trace:
+    """Run ``fn(*args, **kwargs)`` once under torch.profiler (after ``warmup`` untraced calls)."""
+    dev = select_device(device)
+    activities = [ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    with profile(activities=activities) as prof:
+        fn(*args, **kwargs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            raw = json.load(f)
+    events = parse_chrome_trace(raw)
+    return Trace(events=events, summary=summarize(events), fingerprint=fingerprint(),
+                 chrome_trace=raw)

@@ -1,0 +1,57 @@
+"""Every notebook runs headless through papermill on CPU with QUICK sizes, as CI does.
+
+Executed copies go to test-results/notebooks/ (CI can keep the folder).
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from labkit.run_notebooks import execute, notebooks
+
+OUT = Path(__file__).resolve().parent.parent / "test-results" / "notebooks"
+MAX_EXECUTED_BYTES = 2_000_000
+NOTEBOOKS = notebooks()
+
+
+def test_the_sequence_starts_with_the_tour_and_launch_overhead():
+    assert [p.stem for p in NOTEBOOKS[:2]] == ["00_tour", "01_launch_overhead"]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_and_shows_what_it_promises(path):
+    run = execute(path, OUT, {"DEVICE": "auto", "QUICK": True})
+    assert run.status == "ok", f"{path.name} failed; executed copy in {run.output}\n{run.error}"
+    assert run.figures >= run.expected_figures, (
+        f"{path.name} drew {run.figures} plotly figures, its metadata promises "
+        f"{run.expected_figures}")
+    assert run.time_budget_s, f"{path.name} has no labkit.time_budget_s in its metadata"
+    assert run.seconds <= run.time_budget_s, (
+        f"{path.name} took {run.seconds:.0f} s with QUICK=True, over its {run.time_budget_s} s budget")
+    assert run.size_bytes < MAX_EXECUTED_BYTES, (
+        f"executed {path.name} is {run.size_bytes / 1e6:.1f} MB; keep it under 2 MB "
+        "(thin the timelines, or show fewer points)")
+
+
+def test_an_unknown_parameter_is_an_error_not_a_silent_default(tmp_path):
+    with pytest.raises(ValueError, match="declares no parameter"):
+        execute(NOTEBOOKS[0], tmp_path, {"DEVICE": "auto", "QUIK": True})
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_clean_and_follows_the_conventions(path):
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    dirty = [i for i, c in enumerate(code) if c.get("outputs") or c.get("execution_count")]
+    assert not dirty, f"{path.name}: code cells {dirty} carry outputs; commit notebooks clean"
+    first = code[0]
+    assert "parameters" in first.get("metadata", {}).get("tags", []), \
+        f"{path.name}: the first code cell must be tagged 'parameters'"
+    src = "".join(first["source"])
+    assert "DEVICE" in src and "QUICK" in src, f"{path.name}: parameters need DEVICE and QUICK"
+    assert "assert" in "".join(code[-1]["source"]), \
+        f"{path.name}: the last cell must assert what the notebook demonstrated"
+    meta = nb["metadata"].get("labkit", {})
+    assert meta.get("expected_figures", 0) >= 1 and meta.get("time_budget_s"), \
+        f"{path.name}: metadata.labkit needs expected_figures and time_budget_s"
