@@ -11,6 +11,8 @@ TRITON_CPU ?= triton==3.6.0
 # On a GPU host without a venv (an offline workshop node), gpu-check and record use $(PYTHON).
 GPY = $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
 STAMP := $(shell date +%Y%m%d-%H%M%S)
+# Jupyter refuses to start as root unless told; containers and CI often run as root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: help lab test run gpu-check record venv clean
 help:
@@ -42,7 +44,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lab: venv
-	$(VPY) -m jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False
+	$(VPY) -m jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False $(ALLOW_ROOT)
 
 test: venv
 	$(VPY) -m pytest

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import pandas as pd
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from labkit.device import fingerprint, select_device
 
@@ -26,11 +27,28 @@ LAUNCH_NAMES = ("LaunchKernel", "GraphLaunch", "Memcpy", "Memset", "LaunchCooper
 EVENT_COLUMNS = ["lane", "kind", "name", "start_us", "dur_us", "depth", "correlation"]
 
 
-def parse_chrome_trace(raw: dict) -> pd.DataFrame:
-    """Chrome-trace JSON (as ``export_chrome_trace`` writes it) -> one row per complete event."""
+WINDOW = "labkit.trace"
+
+
+def _window(raw: dict, name: str) -> tuple[float, float]:
+    for e in raw.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("name") == name:
+            return float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+    return float("-inf"), float("inf")
+
+
+def parse_chrome_trace(raw: dict, window: str | None = None) -> pd.DataFrame:
+    """Chrome-trace JSON (as ``export_chrome_trace`` writes it) -> one row per complete event.
+
+    With ``window``, only what happened inside the annotation of that name is kept (GPU work
+    launched inside it is kept even when it ends later), and the annotation itself is dropped.
+    """
+    lo, hi = _window(raw, window) if window else (float("-inf"), float("inf"))
     rows = []
     for e in raw.get("traceEvents", []):
-        if e.get("ph") != "X":
+        if e.get("ph") != "X" or (window and e.get("name") == window):
+            continue
+        if not lo <= float(e.get("ts", lo)) <= hi:
             continue
         cat = e.get("cat", "")
         args = e.get("args", {}) or {}
@@ -188,15 +206,23 @@ def trace(fn: Callable, *args, device: str | torch.device = "auto", warmup: int 
         fn(*args, **kwargs)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    with profile(activities=activities) as prof:
-        fn(*args, **kwargs)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+    # One profiled-but-discarded step first: the profiler's own start-up (CUPTI set-up on the
+    # first launch, milliseconds) would otherwise look like the first kernel's launch cost.
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=activities, schedule=schedule) as prof:
+            for _ in range(2):
+                with record_function(WINDOW):
+                    fn(*args, **kwargs)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                prof.step()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             raw = json.load(f)
-    events = parse_chrome_trace(raw)
+    events = parse_chrome_trace(raw, window=WINDOW)
     return Trace(events=events, summary=summarize(events), fingerprint=fingerprint(),
                  chrome_trace=raw)
