@@ -10,6 +10,8 @@ TORCH_CPU ?= torch==2.13.0
 TRITON_CPU ?= triton==3.6.0
 # On a GPU host without a venv (an offline workshop node), gpu-check and record use $(PYTHON).
 GPY = $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
+# e.g. GPU_CHECK_ARGS="--notebooks 00 01 --benchmarks launch_overhead" to check a part
+GPU_CHECK_ARGS ?=
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 # Jupyter refuses to start as root unless told; containers and CI often run as root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -53,7 +55,7 @@ run: venv
 	$(VPY) -m labkit.run_notebooks --out runs/$(STAMP)
 
 gpu-check:
-	$(GPY) -m labkit.gpu_check --out gpu-results/$(STAMP)
+	$(GPY) -m labkit.gpu_check --out gpu-results/$(STAMP) $(GPU_CHECK_ARGS)
 
 record:
 	$(GPY) -m labkit.record

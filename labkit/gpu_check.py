@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "notebooks", "benchmarks"])
     parser.add_argument("--notebooks", nargs="*", default=[], help="stem prefixes (default all)")
+    parser.add_argument("--tests", nargs="*", default=[], help="test files (default: all of tests/)")
+    parser.add_argument("--benchmarks", nargs="*", default=[], help="benchmark stems (default all)")
     args = parser.parse_args(argv)
     select_device("cuda")  # a clear error on a host with no GPU
     out = args.out
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = []
     if "tests" not in args.skip:
         steps.append(_step("tests-gpu", [sys.executable, "-m", "pytest", "-q", "-m", "gpu",
-                                         f"--junitxml={out / 'tests-gpu.xml'}"], out, 1800))
+                                         f"--junitxml={out / 'tests-gpu.xml'}", *args.tests],
+                           out, 1800))
     if "notebooks" not in args.skip:
         runs = []
         for path in notebooks():
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                    "seconds": r.seconds} for r in runs]
     if "benchmarks" not in args.skip:
         for bench in sorted((ROOT / "benchmarks").glob("*.py")):
+            if args.benchmarks and bench.stem not in args.benchmarks:
+                continue
             steps.append(_step(f"bench-{bench.stem}", [sys.executable, str(bench), "--out",
                                                        str(out / "benchmarks")], out, 1200))
     (out / "summary.json").write_text(json.dumps(steps, indent=1))
