@@ -17,7 +17,7 @@ SEQUENCE = [
     ("01_launch_overhead", "CPU launch gaps on the timeline; CUDA Graph replay removes them",
      "graph replay, GPU timeline", "Python dispatch vs torch.compile, recorded GPU sweep"),
     ("02_cuda_graphs", "capture/replay, static buffers, copy_ vs rebinding, bucket pool",
-     "capture and replay", "recorded figures, eager pool"),
+     "graph replay, capture errors", "the same pitfalls live via a stand-in, recorded GPU figures"),
     ("03_torch_compile", "Dynamo -> FX -> Inductor, graph breaks, guards, recompiles, modes",
      "reduce-overhead mode", "Inductor's C++ path, live"),
     ("04_pinned_memory_streams", "pageable vs pinned H2D, streams, events, overlap",

@@ -17,6 +17,8 @@ from labkit import recorded
 RECORDERS: dict[str, str] = {
     "device_peaks": "labkit.peaks:record",
     "launch_overhead": "labkit.launch_overhead:record",
+    "graphs": "labkit.graph_experiments:record",
+    "graph_pitfalls": "labkit.graph_pitfalls:record",
 }
 
 

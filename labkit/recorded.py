@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,8 @@ class Recorded:
     @property
     def label(self) -> str:
         """Exactly where the numbers came from; shown beside every recorded figure."""
-        commit = f", labkit {self.commit[:10]}" if self.commit else ""
+        valid = self.commit and re.fullmatch(r"[0-9a-f]{7,40}", self.commit)
+        commit = f", labkit {self.commit[:10]}" if valid else ""
         return (f"Recorded on {describe(self.fingerprint)}, {self.date[:10]}, "
                 f"by `{self.command}`{commit}; not measured on this machine")
 
@@ -73,12 +76,16 @@ def load(name: str) -> Recorded:
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout; a copy without .git (a GPU host) can pass it as LABKIT_COMMIT."""
+    if os.environ.get("LABKIT_COMMIT"):
+        return os.environ["LABKIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
 def save(name: str, data: dict, command: str = "make record") -> Path:

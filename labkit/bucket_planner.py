@@ -1,0 +1,119 @@
+"""Choose graph buckets from the batch sizes a server actually sees.
+
+Every call is padded up to the smallest bucket that holds it; the padded rows are computed and
+thrown away. More buckets waste fewer rows but cost capture time and graph memory. Given a
+measured batch-size distribution and a budget (a number of graphs, or bytes), this picks the
+buckets that minimise padded rows: an exact dynamic programme over the observed sizes (an
+optimal bucket always sits on an observed size, else it could shrink and waste less).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    buckets: tuple[int, ...]
+    padded_rows: int
+    real_rows: int
+    eager_calls: int = 0  # batches larger than the largest bucket
+
+    @property
+    def waste(self) -> float:
+        """Padded rows as a fraction of all rows computed."""
+        total = self.padded_rows + self.real_rows
+        return self.padded_rows / total if total else 0.0
+
+    def __str__(self) -> str:
+        return (f"{len(self.buckets)} buckets {list(self.buckets)}: {self.padded_rows:,} padded "
+                f"rows, {self.waste:.1%} of computed rows wasted")
+
+
+def padding_waste(batch_sizes: Iterable[int], buckets: Sequence[int]) -> BucketPlan:
+    """What a given bucket list wastes on a batch-size trace (too-large batches run eager)."""
+    buckets = tuple(sorted(set(buckets)))
+    padded = real = eager = 0
+    for size, count in Counter(batch_sizes).items():
+        bucket = next((b for b in buckets if b >= size), None)
+        if bucket is None:
+            eager += count
+            continue
+        padded += (bucket - size) * count
+        real += size * count
+    return BucketPlan(buckets, padded, real, eager)
+
+
+def _check(batch_sizes: list[int]) -> Counter:
+    if not batch_sizes:
+        raise ValueError("need at least one observed batch size to plan buckets")
+    if min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {min(batch_sizes)}")
+    return Counter(batch_sizes)
+
+
+def plan_buckets(batch_sizes: Iterable[int], max_graphs: int | None = None, *,
+                 memory_budget: float | None = None, bytes_per_row: float = 0.0,
+                 bytes_per_graph: float = 0.0) -> BucketPlan:
+    """The buckets (at most ``max_graphs``; within ``memory_budget`` if given) that minimise
+    padded rows while covering the largest observed batch.
+
+    Memory model for the budget: ``bytes_per_graph`` for each graph plus ``bytes_per_row``
+    times the largest bucket (graphs captured into one shared pool cost about the largest).
+    """
+    counts = _check(list(batch_sizes))
+    sizes = sorted(counts)
+    m = len(sizes)
+    limit = m if max_graphs is None else max_graphs
+    if limit < 1:
+        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+    if memory_budget is not None and bytes_per_graph > 0:
+        affordable = int((memory_budget - bytes_per_row * sizes[-1]) // bytes_per_graph)
+        if affordable < 1:
+            raise ValueError(
+                f"memory_budget {memory_budget:,.0f} B cannot hold even one graph for batch "
+                f"{sizes[-1]} ({bytes_per_graph + bytes_per_row * sizes[-1]:,.0f} B): raise the "
+                "budget or cap the batch size")
+        limit = min(limit, affordable)
+    limit = min(limit, m)
+    if limit == m:  # a bucket at every observed size wastes nothing
+        return padding_waste(counts.elements(), sizes)
+
+    # prefix sums so the waste of serving sizes[i..j] with bucket sizes[j] is O(1)
+    n_pre, s_pre = [0] * (m + 1), [0] * (m + 1)
+    for i, s in enumerate(sizes):
+        n_pre[i + 1] = n_pre[i] + counts[s]
+        s_pre[i + 1] = s_pre[i] + counts[s] * s
+
+    def cost(i: int, j: int) -> int:  # sizes[i..j] all padded up to sizes[j]
+        return sizes[j] * (n_pre[j + 1] - n_pre[i]) - (s_pre[j + 1] - s_pre[i])
+
+    inf = float("inf")
+    # best[k][j]: least waste covering sizes[0..j] with k buckets, the last one at sizes[j]
+    best = [[inf] * m for _ in range(limit + 1)]
+    back = [[-1] * m for _ in range(limit + 1)]
+    for j in range(m):
+        best[1][j] = cost(0, j)
+    for k in range(2, limit + 1):
+        for j in range(k - 1, m):
+            for i in range(k - 2, j):
+                c = best[k - 1][i] + cost(i + 1, j)
+                if c < best[k][j]:
+                    best[k][j], back[k][j] = c, i
+    k = min(range(1, limit + 1), key=lambda kk: (best[kk][m - 1], kk))
+    chosen, j = [], m - 1
+    while k >= 1 and j >= 0:
+        chosen.append(sizes[j])
+        j, k = back[k][j], k - 1
+    return padding_waste(counts.elements(), sorted(chosen))
+
+
+def powers_of_two(largest: int) -> tuple[int, ...]:
+    """The usual naive list: 1, 2, 4, ... up to the first power of two >= ``largest``."""
+    out, b = [], 1
+    while True:
+        out.append(b)
+        if b >= largest:
+            return tuple(out)
+        b *= 2

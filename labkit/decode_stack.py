@@ -1,0 +1,66 @@
+"""A decoder-like stack for one decode step: many small kernels per layer, as in a real model.
+
+Per layer: RMSNorm, QKV projection, attention of the one new token over a fixed KV cache,
+output projection, residual, RMSNorm, SwiGLU MLP, residual: about 20 kernels at batch sizes
+where each one is short. Written with plain torch ops on purpose: this is the eager baseline
+that CUDA Graphs speed up. (The real model, with RoPE and a paged cache, is labkit.engine's.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class DecodeLayer(nn.Module):
+    def __init__(self, width: int, n_heads: int, mlp_width: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, width // n_heads
+        self.norm1 = nn.Parameter(torch.ones(width))
+        self.norm2 = nn.Parameter(torch.ones(width))
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.o = nn.Linear(width, width, bias=False)
+        self.gate_up = nn.Linear(width, 2 * mlp_width, bias=False)
+        self.down = nn.Linear(mlp_width, width, bias=False)
+
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        # x: [batch, width]; k_cache, v_cache: [batch, n_heads, context, head_dim]
+        b = x.shape[0]
+        q, _, _ = self.qkv(rms_norm(x, self.norm1)).view(b, 3, self.n_heads, self.head_dim).unbind(1)
+        attn = F.scaled_dot_product_attention(q.unsqueeze(2), k_cache, v_cache)
+        x = x + self.o(attn.reshape(b, -1))
+        gate, up = self.gate_up(rms_norm(x, self.norm2)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class DecodeStack(nn.Module):
+    """``n_layers`` decode layers sharing one fixed KV cache of ``context`` tokens per row."""
+
+    def __init__(self, n_layers: int = 8, width: int = 2048, n_heads: int = 16,
+                 context: int = 256, max_batch: int = 256, mlp_width: int | None = None,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda"):
+        super().__init__()
+        if width % n_heads:
+            raise ValueError(f"width {width} must be a multiple of n_heads {n_heads}")
+        mlp_width = mlp_width or int(width * 8 / 3) // 64 * 64
+        self.layers = nn.ModuleList(DecodeLayer(width, n_heads, mlp_width) for _ in range(n_layers))
+        shape = (max_batch, n_heads, context, width // n_heads)
+        self.register_buffer("k_cache", torch.randn(shape) * 0.5, persistent=False)
+        self.register_buffer("v_cache", torch.randn(shape), persistent=False)
+        self.to(device=device, dtype=dtype)
+        for p in self.parameters():  # keep activations O(1) through the stack
+            if p.dim() == 2:
+                nn.init.normal_(p, std=p.shape[1] ** -0.5)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        if b > self.k_cache.shape[0]:
+            raise ValueError(f"batch {b} > max_batch {self.k_cache.shape[0]} of this stack's cache")
+        for layer in self.layers:
+            x = layer(x, self.k_cache[:b], self.v_cache[:b])
+        return x

@@ -1,0 +1,134 @@
+"""GraphPool: replay must compute exactly what eager computes, for every batch size."""
+import warnings
+
+import pytest
+import torch
+
+from labkit.graphs import GraphPool
+
+gpu = pytest.mark.gpu
+
+
+def rowwise(x, w):
+    # x: [batch, 8], w: [batch, 8] -> two outputs, each row depends only on its own inputs
+    return torch.tanh(x * 2 + w), (x * w).sum(-1, keepdim=True)
+
+
+def test_without_a_gpu_the_pool_runs_eagerly_says_so_once_and_counts_it():
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-GPU path")
+    with pytest.warns(UserWarning, match="no CUDA device"):
+        pool = GraphPool(rowwise, buckets=(1, 2, 4))
+    x, w = torch.randn(3, 8), torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning per call
+        out = pool(x, w)
+        pool(x, w)
+    torch.testing.assert_close(out[0], rowwise(x, w)[0])
+    assert pool.stats.eager_calls == 2 and pool.stats.eager_reasons["no CUDA device"] == 2
+    assert pool.stats.replays == 0
+
+
+def test_buckets_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        GraphPool(rowwise, buckets=(0, 4), enabled=False)
+
+
+def test_context_must_be_passed_exactly_when_the_pool_has_context_buckets():
+    pool = GraphPool(lambda x, context_bucket: x, buckets=(2,), context_buckets=(16,), enabled=False)
+    with pytest.raises(ValueError, match="context="):
+        pool(torch.zeros(1, 2))
+
+
+def test_key_for_picks_the_smallest_bucket_that_holds_the_batch():
+    pool = GraphPool(rowwise, buckets=(8, 1, 4), context_buckets=(512, 4096), enabled=False)
+    assert pool.key_for(3, 100) == (4, 512)
+    assert pool.key_for(4, 513) == (4, 4096)
+    assert pool.key_for(9, 100) is None and pool.key_for(1, 5000) is None
+
+
+@gpu
+def test_replay_matches_eager_for_every_bucket_and_every_batch_in_between():
+    torch.manual_seed(0)
+    pool = GraphPool(rowwise, buckets=(1, 2, 4, 8, 16))
+    for batch in range(1, 17):
+        x, w = torch.randn(batch, 8, device="cuda"), torch.randn(batch, 8, device="cuda")
+        got, want = pool(x, w), rowwise(x, w)
+        for g, e in zip(got, want):
+            assert g.shape == e.shape, f"batch {batch}: padding rows leaked into the result"
+            torch.testing.assert_close(g, e, msg=f"batch {batch} differs from eager")
+    assert pool.stats.replays == 16 and pool.stats.eager_calls == 0
+    assert pool.stats.padded_rows == sum(pool.key_for(b)[0] - b for b in range(1, 17))
+
+
+@gpu
+def test_padding_rows_never_leak_even_when_earlier_rows_were_nan():
+    pool = GraphPool(rowwise, buckets=(4,))
+    nan = torch.full((4, 8), float("nan"), device="cuda")
+    pool(nan, nan)
+    x, w = torch.randn(3, 8, device="cuda"), torch.randn(3, 8, device="cuda")
+    out, s = pool(x, w)
+    assert not out.isnan().any() and not s.isnan().any()
+
+
+@gpu
+def test_outputs_are_the_callers_own_unless_views_are_asked_for():
+    x1, x2 = torch.ones(2, 8, device="cuda"), torch.full((2, 8), 3.0, device="cuda")
+    owned = GraphPool(rowwise, buckets=(2,))
+    first = owned(x1, x1)[0]
+    owned(x2, x2)
+    torch.testing.assert_close(first, rowwise(x1, x1)[0], msg="the next replay changed a result")
+    views = GraphPool(rowwise, buckets=(2,), copy_outputs=False)
+    first = views(x1, x1)[0]
+    views(x2, x2)
+    torch.testing.assert_close(first, rowwise(x2, x2)[0],
+                               msg="copy_outputs=False hands out the graph's own buffer")
+
+
+@gpu
+def test_a_batch_beyond_the_largest_bucket_runs_eager_with_its_reason():
+    pool = GraphPool(rowwise, buckets=(1, 2))
+    x = torch.randn(5, 8, device="cuda")
+    torch.testing.assert_close(pool(x, x)[0], rowwise(x, x)[0])
+    assert pool.stats.eager_reasons == {"batch 5 > largest bucket 2": 1}
+
+
+@gpu
+@pytest.mark.parametrize("bad", ["dtype", "trailing", "device", "count"])
+def test_a_mismatch_with_what_was_captured_is_an_error_not_a_wrong_answer(bad):
+    pool = GraphPool(rowwise, buckets=(4,))
+    x = torch.randn(2, 8, device="cuda")
+    pool(x, x)
+    wrong = {"dtype": (x.half(), x), "trailing": (torch.randn(2, 9, device="cuda"),) * 2,
+             "device": (x.cpu(), x), "count": (x,)}[bad]
+    with pytest.raises(ValueError, match="captured"):
+        pool(*wrong)
+
+
+@gpu
+def test_context_keys_freeze_each_kernel_choice_into_its_own_graph():
+    def attend(x, context_bucket):
+        # stands for "pick the split-KV kernel for long contexts"
+        return x * 2 if context_bucket > 1024 else x + 1
+    pool = GraphPool(attend, buckets=(2, 4), context_buckets=(1024, 8192))
+    x = torch.ones(3, 4, device="cuda")
+    torch.testing.assert_close(pool(x, context=100), x + 1)
+    torch.testing.assert_close(pool(x, context=5000), x * 2)
+    assert set(pool.stats.buckets) == {(2, 1024), (2, 8192), (4, 1024), (4, 8192)}
+    assert pool.stats.eager_calls == 0
+
+
+@gpu
+def test_buckets_are_captured_largest_first_into_one_pool_and_memory_is_predicted():
+    w = torch.randn(256, 256, device="cuda")
+    fn = lambda x: torch.relu(x @ w) @ w  # noqa: E731
+    pool = GraphPool(fn, buckets=(1, 8, 64, 256))
+    x = torch.randn(4, 256, device="cuda")
+    predicted = pool.predict_memory(x)
+    pool.capture(x)
+    assert [k[0] for k in pool.stats.buckets] == [256, 64, 8, 1], "largest first"
+    actual = pool.stats.captured_bytes
+    assert 0 < predicted and 0.5 < actual / predicted < 3, (
+        f"predicted {predicted / 2**20:.1f} MiB, captured {actual / 2**20:.1f} MiB")
+    table = pool.stats.table()
+    assert list(table.columns) == ["key", "capture_ms", "pool_MiB", "replays", "rows", "padded_rows"]
