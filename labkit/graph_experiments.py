@@ -12,7 +12,7 @@ import torch
 from labkit import bench
 from labkit.decode_stack import DecodeStack
 from labkit.device import select_device
-from labkit.graphs import GraphPool
+from labkit.graphs import GraphPool, capture_graph
 
 FULL = dict(n_layers=8, width=2048, n_heads=16, context=256)
 SMALL = dict(n_layers=2, width=256, n_heads=4, context=32)
@@ -50,15 +50,7 @@ def pool_overhead(stack: DecodeStack, batch: int = 8, repeats: int = 50) -> dict
     of the same bucket, measured back to back in one run."""
     x = _hidden(stack, batch)
     static = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            stack(static)
-    torch.cuda.current_stream().wait_stream(side)
-    bare = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(bare):
-        stack(static)
+    bare, _ = capture_graph(lambda: stack(static))
     views = GraphPool(stack, buckets=(batch,), copy_outputs=False)
     owned = GraphPool(stack, buckets=(batch,))
     views.capture(x)

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from labkit.graphs import capture_graph
+
 
 class Captured:
     """``.replay()`` recomputes into ``.outputs`` from what was bound at capture."""
@@ -24,15 +26,7 @@ class Captured:
         self.fn, self.args = fn, args
         self.graph = None
         if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.outputs = fn(*args)
+            self.graph, self.outputs = capture_graph(lambda: fn(*args), warmup)
         else:
             for _ in range(warmup):
                 fn(*args)

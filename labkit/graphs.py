@@ -70,6 +70,24 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
+def capture_graph(fn: Callable, warmup: int = 2, pool=None, side: torch.cuda.Stream | None = None):
+    """Warm ``fn()`` up on a side stream, then capture it: returns (graph, fn's outputs).
+
+    Warm-up first, so lazy initialisation, autotuning and first allocations (which may
+    synchronise with the host, illegal during capture) happen outside the graph.
+    """
+    side = side or torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
 class GraphPool:
     """``pool = GraphPool(fn, buckets)``; ``out = pool(*inputs)``.
 
@@ -152,17 +170,10 @@ class GraphPool:
         args = tuple(s[:batch] for s in self._static)
         torch.cuda.synchronize()
         pool0, t0 = self.pool_bytes(), time.perf_counter()
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy init, autotuning, allocator growth
-            for _ in range(self.warmup):
-                self._call_fn(args, ctx)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            outs = _as_tuple(self._call_fn(args, ctx))
+        graph, outs = capture_graph(lambda: self._call_fn(args, ctx), self.warmup,
+                                    pool=self._mempool, side=self._side)
         torch.cuda.synchronize()
-        self._graphs[key] = (graph, outs)
+        self._graphs[key] = (graph, _as_tuple(outs))
         capture_ms = (time.perf_counter() - t0) * 1e3
         self.stats.buckets[key] = BucketStats(key=key, capture_ms=capture_ms,
                                               pool_bytes=self.pool_bytes() - pool0)

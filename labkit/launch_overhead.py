@@ -16,6 +16,7 @@ import torch
 
 from labkit import bench
 from labkit.device import select_device
+from labkit.graphs import capture_graph
 
 MODES = ("eager", "graph", "compiled")
 
@@ -32,16 +33,7 @@ def default_modes(device: torch.device) -> tuple[str, ...]:
 
 
 def capture_chain(x: torch.Tensor, n_kernels: int) -> torch.cuda.CUDAGraph:
-    """Warm up on a side stream (first calls allocate and pick kernels), then capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        tiny_kernels(x, n_kernels)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tiny_kernels(x, n_kernels)
-    return graph
+    return capture_graph(lambda: tiny_kernels(x, n_kernels))[0]
 
 
 _compiled_chains: dict[int, object] = {}
