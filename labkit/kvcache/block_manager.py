@@ -1,0 +1,316 @@
+"""Block manager: which fixed-size KV blocks each sequence holds, shared where it can be.
+
+A sequence of n tokens holds ``ceil(n / block_size)`` blocks, listed in its ``block_table``;
+token ``p`` lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+Blocks are shared two ways, and a ``ref_count`` per block says by how many tables:
+
+- prefix caching: a prompt's full blocks are looked up in the :class:`PrefixCache`; a confirmed
+  hit is reused instead of recomputed. Only full blocks are shared this way, and a lookup always
+  leaves at least one prompt token to compute (the model needs it for the next token's logits).
+- ``fork``: a child (a beam, a parallel sample) shares every block of its parent, including a
+  partly filled last block. The first ``append_token`` into such a shared block copies it
+  (copy-on-write) and returns ``(src, dst)`` for the caller to copy in the KV tensors.
+
+A block is released when its ref count drops to zero: to the free list, or, if registered in the
+prefix cache, to its evictable list, where it waits to be hit again or evicted (LRU) for space.
+Every operation checks it can finish before it changes anything: on :class:`OutOfBlocks` or a
+``ValueError`` the manager is exactly as before the call.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from operator import index
+from typing import Hashable, Sequence
+
+from labkit.kvcache.prefix_cache import (
+    HashFn, PrefixCache, block_hash, extra_key_bytes, root_hash,
+)
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free or evictable blocks; nothing was changed."""
+
+    def __init__(self, what: str, needed: int, available: int, num_blocks: int):
+        self.needed, self.available = needed, available
+        super().__init__(
+            f"{what} needs {needed} new block(s) but only {available} of {num_blocks} are free "
+            f"or evictable: free (or preempt) running sequences, or make num_blocks larger")
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    hits: int             # prompt blocks served from the prefix cache
+    misses: int           # prompt blocks that had to be allocated (and computed)
+    evictions: int        # cached blocks taken back for new contents
+    hit_tokens: int
+    prompt_tokens: int
+    blocks_in_use: int    # held by at least one sequence
+    blocks_cached: int    # held by none, contents kept, evictable
+    blocks_free: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of prompt tokens whose KV came from the cache."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class _Sequence:
+    __slots__ = ("block_table", "num_tokens", "tail", "last_hash", "extra")
+
+    def __init__(self, block_table, num_tokens, tail, last_hash, extra):
+        self.block_table: list[int] = block_table
+        self.num_tokens: int = num_tokens
+        self.tail: list[int] = tail          # token ids in the partly filled last block
+        self.last_hash: bytes = last_hash    # hash of the last full block (chain parent)
+        self.extra: bytes = extra
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 hash_fn: HashFn = block_hash):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two (1, 2, 4, ... 16 is usual), "
+                             f"got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._hash_fn = hash_fn
+        self._mask = block_size - 1
+        self._ref = [0] * num_blocks
+        self._gen = [0] * num_blocks           # bumped each time a block gets new contents
+        self._free = list(range(num_blocks - 1, -1, -1))   # a stack: block 0 is taken first
+        self._prefix = PrefixCache(num_blocks)
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._hits = self._misses = self._evictions = self._hit_tokens = self._prompt_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now: free ones plus evictable cached ones."""
+        return len(self._free) + self._prefix.num_evictable()
+
+    @property
+    def stats(self) -> CacheStats:
+        cached = self._prefix.num_evictable()
+        free = len(self._free)
+        return CacheStats(self._hits, self._misses, self._evictions, self._hit_tokens,
+                          self._prompt_tokens, self.num_blocks - cached - free, cached, free)
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._get(seq_id).block_table)
+
+    def num_tokens(self, seq_id) -> int:
+        return self._get(seq_id).num_tokens
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def is_cached(self, block: int) -> bool:
+        """Registered in the prefix cache (findable by hash), whether in use or evictable."""
+        return self._prefix.is_registered(block)
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached blocks no sequence holds, next to be evicted first."""
+        return self._prefix.evictable_blocks()
+
+    def slots(self, seq_id, start: int, end: int) -> list[int]:
+        """slot_mapping entries of token positions ``[start, end)`` of a sequence."""
+        seq = self._get(seq_id)
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(f"positions [{start}, {end}) are outside sequence {seq_id!r} "
+                             f"of {seq.num_tokens} tokens")
+        table, bs = seq.block_table, self.block_size
+        return [table[p // bs] * bs + (p & self._mask) for p in range(start, end)]
+
+    def can_append(self, seq_id) -> bool:
+        return self._blocks_to_append(self._get(seq_id)) <= self.num_free_blocks
+
+    def can_allocate(self, token_ids: Sequence[int], *, extra_key=None) -> bool:
+        hits, _, _ = self._match(token_ids, extra_key_bytes(extra_key))
+        return self._blocks_to_allocate(len(token_ids), hits) <= self._available_after(hits)
+
+    def snapshot(self) -> tuple:
+        """Everything the manager holds, comparable with ``==`` (tests check nothing changed)."""
+        seqs = tuple((k, tuple(s.block_table), s.num_tokens, tuple(s.tail), s.last_hash, s.extra)
+                     for k, s in self._seqs.items())
+        return (tuple(self._ref), tuple(self._gen), tuple(self._free), seqs,
+                self._prefix.snapshot(), self.stats)
+
+    # ------------------------------------------------------------------ operations
+    def allocate(self, seq_id, token_ids: Sequence[int], *, extra_key=None) -> int:
+        """Give a new sequence blocks for its prompt; returns how many leading tokens were served
+        from the prefix cache (a multiple of block_size, always less than ``len(token_ids)``)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already allocated; free it first or use a "
+                             "new seq_id")
+        if len(token_ids) == 0:
+            raise ValueError(f"allocate({seq_id!r}) got no tokens: a prompt needs at least one")
+        extra = extra_key_bytes(extra_key)
+        hits, hashes, chunks = self._match(token_ids, extra)
+        n = len(token_ids)
+        need = self._blocks_to_allocate(n, hits)
+        available = self._available_after(hits)
+        if need > available:
+            raise OutOfBlocks(f"allocate({seq_id!r}, {n} tokens)", need, available,
+                              self.num_blocks)
+
+        prefix, ref = self._prefix, self._ref
+        for b in hits:
+            if ref[b] == 0:
+                prefix.revive(b)
+            ref[b] += 1
+        table = hits + [self._take() for _ in range(need)]
+        num_full = n // self.block_size
+        if self.enable_prefix_caching:
+            registered = True  # a block is findable only through a findable parent
+            for i in range(len(hits), num_full):
+                link = (table[i - 1], self._gen[table[i - 1]]) if i else extra
+                registered = registered and prefix.register(table[i], hashes[i],
+                                                            (link, chunks[i]))
+        last_hash = hashes[-1] if hashes else root_hash(extra)
+        tail = list(token_ids[num_full * self.block_size:]) if self.enable_prefix_caching else []
+        self._seqs[seq_id] = _Sequence(table, n, tail, last_hash, extra)
+        self._hits += len(hits)
+        self._misses += need
+        self._hit_tokens += len(hits) * self.block_size
+        self._prompt_tokens += n
+        return len(hits) * self.block_size
+
+    def append_token(self, seq_id, token_id: int) -> list[tuple[int, int]]:
+        """Make room for one more token; returns block copies ``(src, dst)`` to apply first."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"append_token: unknown sequence {seq_id!r}; allocate it first")
+        if self.enable_prefix_caching:
+            token_id = index(token_id)  # a bad token fails here, before anything changes
+        pos = seq.num_tokens & self._mask
+        copies = []
+        try:
+            if pos == 0:
+                seq.block_table.append(self._take())
+            else:
+                table = seq.block_table
+                last = table[-1]
+                if self._ref[last] > 1:  # shared partial block (after fork): copy, then write
+                    new = self._take()
+                    self._ref[last] -= 1
+                    table[-1] = new
+                    copies.append((last, new))
+        except OutOfBlocks:
+            raise OutOfBlocks(f"append_token({seq_id!r})", 1, 0, self.num_blocks) from None
+        seq.num_tokens += 1
+        if self.enable_prefix_caching:
+            seq.tail.append(token_id)
+            if pos == self._mask:
+                self._seal(seq)
+        return copies
+
+    def fork(self, parent_id, child_id) -> None:
+        """The child shares every block of the parent (ref counts go up; nothing is copied)."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"fork: child {child_id!r} already exists; pick a new seq_id")
+        ref = self._ref
+        for b in parent.block_table:
+            ref[b] += 1
+        self._seqs[child_id] = _Sequence(list(parent.block_table), parent.num_tokens,
+                                         list(parent.tail), parent.last_hash, parent.extra)
+
+    def free(self, seq_id) -> None:
+        """Release a sequence's blocks. Tail blocks are released first, so under pressure they
+        are evicted before the prefix blocks that other prompts are likelier to share."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        ref, prefix = self._ref, self._prefix
+        for b in reversed(seq.block_table):
+            ref[b] -= 1
+            if ref[b] == 0:
+                if prefix.is_registered(b):
+                    prefix.park(b)
+                else:
+                    self._free.append(b)
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, seq_id) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"unknown sequence {seq_id!r} (known: {len(self._seqs)} "
+                             "sequences); allocate it first")
+        return seq
+
+    def _take(self) -> int:
+        """A block for new contents: a free one, else the least recently released cached one."""
+        if self._free:
+            b = self._free.pop()
+        elif self._prefix.num_evictable():
+            b = self._prefix.evict()
+            self._evictions += 1
+        else:
+            raise OutOfBlocks("one more block", 1, 0, self.num_blocks)
+        self._ref[b] = 1
+        self._gen[b] += 1
+        return b
+
+    def _seal(self, seq: _Sequence) -> None:
+        """The last block just became full: register it so later prompts can find it."""
+        tokens = array("q", seq.tail).tobytes()
+        seq.tail = []
+        h = self._hash_fn(seq.last_hash, tokens)
+        seq.last_hash = h
+        table = seq.block_table
+        if len(table) == 1:
+            self._prefix.register(table[0], h, (seq.extra, tokens))
+        else:
+            parent = table[-2]
+            if self._prefix.is_registered(parent):
+                self._prefix.register(table[-1], h, ((parent, self._gen[parent]), tokens))
+
+    def _match(self, token_ids, extra: bytes) -> tuple[list[int], list[bytes], list[bytes]]:
+        """Confirmed cache hits for a prompt's leading full blocks, with every full block's hash
+        and token bytes (needed to register the new ones)."""
+        if not self.enable_prefix_caching:
+            return [], [], []
+        bs8 = self.block_size * 8
+        try:
+            buf = array("q", token_ids).tobytes()
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"token ids must be ints in [-2**63, 2**63): {e}") from None
+        num_full = len(token_ids) // self.block_size
+        lookups = (len(token_ids) - 1) // self.block_size  # leave >= 1 token to compute
+        hits, hashes, chunks = [], [], []
+        h, link = root_hash(extra), extra
+        hash_fn, lookup = self._hash_fn, self._prefix.lookup
+        for i in range(num_full):
+            chunk = buf[i * bs8:(i + 1) * bs8]
+            h = hash_fn(h, chunk)
+            hashes.append(h)
+            chunks.append(chunk)
+            if len(hits) == i < lookups:
+                b = lookup(h, (link, chunk))
+                if b is not None:
+                    hits.append(b)
+                    link = (b, self._gen[b])
+        return hits, hashes, chunks
+
+    def _blocks_to_allocate(self, num_tokens: int, hits: list[int]) -> int:
+        return -(-num_tokens // self.block_size) - len(hits)
+
+    def _available_after(self, hits: list[int]) -> int:
+        """Blocks left for new contents once the hits that were evictable are taken back."""
+        revived = sum(1 for b in hits if self._ref[b] == 0)
+        return self.num_free_blocks - revived
+
+    def _blocks_to_append(self, seq: _Sequence) -> int:
+        if seq.num_tokens & self._mask == 0:
+            return 1
+        return 1 if self._ref[seq.block_table[-1]] > 1 else 0
