@@ -1,0 +1,287 @@
+"""FlashAttention-style forward over a packed variable-length batch, in Triton.
+
+What you will learn: why attention need not write its [len_q, len_k] score matrix to memory.
+Each program owns one tile of BLOCK_M queries of one head. That tile stays in SRAM/registers
+for the whole run, while tiles of BLOCK_N keys and values stream past it from HBM. An online
+softmax keeps a running row maximum ``m`` and row sum ``l`` so earlier partial results can be
+rescaled when a larger score turns up; the output is divided by ``l`` once, at the end.
+
+HBM traffic per program: Q tile once (BLOCK_M*D), every visible K and V tile once
+(2*BLOCK_N*D per tile), the output once. FLOPs per tile: 2 matmuls of 2*BLOCK_M*BLOCK_N*D.
+
+Masking (see ``labkit.attention.reference``): query i of a sequence sits at position
+``len_k - len_q + i``; causal keeps keys at or before it, ``window`` keeps the W most recent.
+Key tiles that are entirely visible skip the mask arithmetic; only tiles on the diagonal or the
+window's edge pay for it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+import labkit  # noqa: F401  (interpreter on where there is no GPU)
+from labkit.device import interpreter_on
+
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _configs():
+    if interpreter_on():  # small tiles: many tiles per sequence even at the tests' small sizes
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4)]
+    return [  # a short list: every distinct key below compiles each of these once
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
+    ]
+
+
+def _fits_in_shared_memory(configs, named_args, **kwargs):
+    """Q tile + K and V tiles per pipeline stage must fit in ~200 KB of shared memory."""
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
+    fits = [c for c in configs if 2 * head_dim * (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"]
+                                                  * max(c.num_stages, 1)) <= 200 * 1024]
+    return fits or configs[-1:]
+
+
+@triton.jit
+def _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt, start, end, len_k, pos,
+                  qk_scale, window, offs_n, offs_d,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """Fold key tiles [start, end) into the running (acc, l, m) of one query tile."""
+    for n in range(start, end, BLOCK_N):
+        keys = n + offs_n
+        k_ptrs = K + (k_row0 + keys)[None, :] * stride_kt + offs_d[:, None]  # [D, BLOCK_N]
+        v_ptrs = V + (k_row0 + keys)[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
+        if MASKED:
+            in_seq = keys < len_k
+            k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, k)  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            ok = in_seq[None, :]
+            if CAUSAL:
+                ok = ok & (keys[None, :] <= pos[:, None])
+            if WINDOW:
+                ok = ok & (keys[None, :] > pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+        # Scores scaled by qk_scale = scale * log2(e): exp2 is the GPU's native exponential, and
+        # s * qk_scale - m is one fused multiply-add.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old maximum
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulate in place
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "CAUSAL", "WINDOW"],
+                 prune_configs_by={"early_config_prune": _fits_in_shared_memory})
+@triton.jit
+def _flash_fwd_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_ot, stride_oh, qk_scale, window,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                      WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Causal tiles at the end of a sequence have the most keys: start them first.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_row0 = tl.load(cu_seqlens_q + seq).to(tl.int64)
+    len_q = (tl.load(cu_seqlens_q + seq + 1) - q_row0).to(tl.int32)
+    k_row0 = tl.load(cu_seqlens_k + seq).to(tl.int64)
+    len_k = (tl.load(cu_seqlens_k + seq + 1) - k_row0).to(tl.int32)
+    m0 = tile * BLOCK_M
+    if m0 >= len_q:
+        return
+    kv_head = head // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = len_k - len_q + offs_m  # each query's position among the keys (end-aligned)
+
+    q_ptrs = Q + (q_row0 + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m < len_q)[:, None], other=0.0)
+    K += kv_head * stride_kh
+    V += kv_head * stride_vh
+
+    # Keys this tile can see at all: [lo, hi). Inside [full_lo, full_hi) every query sees every
+    # key, so those tiles skip the mask. Clamped at 0 so integer division never meets negatives.
+    pos_first = len_k - len_q + m0
+    pos_last = pos_first + BLOCK_M - 1
+    hi = len_k
+    full_hi = len_k
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(len_k, pos_last + 1), 0)
+        full_hi = tl.maximum(tl.minimum(len_k, pos_first + 1), 0)
+    lo = 0
+    full_lo = 0
+    if WINDOW:
+        lo = tl.maximum(pos_first - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.maximum(pos_last - window + 1, 0)
+    full_lo = tl.minimum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, hi)
+    full_hi = tl.maximum(full_hi // BLOCK_N * BLOCK_N, full_lo)
+
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt,
+                                  lo, full_lo, len_k, pos, qk_scale, window, offs_n, offs_d,
+                                  BLOCK_N, True, CAUSAL, WINDOW)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt,
+                                  full_lo, full_hi, len_k, pos, qk_scale, window, offs_n, offs_d,
+                                  BLOCK_N, False, CAUSAL, WINDOW)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt,
+                                  full_hi, hi, len_k, pos, qk_scale, window, offs_n, offs_d,
+                                  BLOCK_N, True, CAUSAL, WINDOW)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that saw no key gives zeros
+    o_ptrs = Out + (q_row0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks that turn bad input into an error a learner can act on, then the launch.
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_heads_and_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_dims: int) -> None:
+    """Shared by the flash and paged wrappers: ranks, head counts, head dims, dtypes, devices."""
+    if q.dim() != 3 or k.dim() != k_dims or v.shape != k.shape:
+        raise ValueError(f"q must be [tokens, num_q_heads, head_dim] and k, v the same {k_dims}-D "
+                         f"shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k/v have {k.shape[-1]}: they must match")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads}): that is what GQA/MQA means")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}; pad the heads "
+                         "to the next size or use the sdpa backend")
+    if q.dtype not in QUERY_DTYPES:
+        raise TypeError(f"q must be one of {QUERY_DTYPES}, got {q.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the head_dim axis of q, k and v must be contiguous (stride 1); "
+                         "call .contiguous() first")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def check_cu_seqlens(cu: torch.Tensor, total: int, name: str, device,
+                     check: bool = True) -> int | None:
+    """int32 [batch + 1], from 0 to ``total``, never decreasing. Returns the longest sequence.
+
+    Reading values costs one host sync, so with ``check=False`` or under CUDA Graph capture only
+    the shape and dtype are checked and None is returned.
+    """
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != device:
+        raise ValueError(f"{name} must be int32 [batch + 1] on {device}, got {cu.dtype} "
+                         f"{tuple(cu.shape)} on {cu.device}")
+    if not check or _capturing():
+        return None
+    lens = cu.diff()
+    first, last, shortest, longest = torch.stack([cu[0], cu[-1], lens.min(), lens.max()]).tolist()
+    if first != 0 or last != total or shortest < 0:
+        host = cu[:8].tolist()
+        raise ValueError(f"{name} must start at 0, never decrease and end at the token count "
+                         f"{total}; got {host}{'...' if cu.numel() > 8 else ''} (last {last})")
+    return longest
+
+
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    """1/sqrt(head_dim) unless given; must be positive (the kernels scale the row maximum)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    return scale
+
+
+def check_window(causal: bool, window: int | None) -> None:
+    if window is None:
+        return
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (keys each query sees), got {window!r}")
+    if not causal:
+        raise ValueError("window needs causal=True: a sliding window counts the most recent keys")
+
+
+def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
+                    window: int | None = None, scale: float | None = None,
+                    max_seqlen_q: int | None = None, check: bool = True) -> torch.Tensor:
+    """q: [total_q, Hq, D]; k, v: [total_k, Hkv, D]; cu_seqlens_*: int32 [batch + 1]
+    -> out: [total_q, Hq, D], q's dtype.
+
+    ``check=False`` skips the checks that read cu_seqlens (a host sync each); with
+    ``max_seqlen_q`` given as well, the call never waits for the GPU (CUDA Graph capture needs it).
+    """
+    check_heads_and_dtypes(q, k, v, k_dims=3)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k and v must have q's dtype {q.dtype}, got {k.dtype}")
+    check_window(causal, window)
+    longest_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", q.device, check)
+    check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", q.device, check)
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe different batch sizes "
+                         f"({cu_seqlens_q.numel() - 1} vs {cu_seqlens_k.numel() - 1})")
+    if max_seqlen_q is None:
+        if _capturing():
+            raise ValueError("pass max_seqlen_q when capturing a CUDA Graph")
+        max_seqlen_q = longest_q if longest_q is not None else int(cu_seqlens_q.diff().max())
+    elif longest_q is not None and max_seqlen_q < longest_q:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} but a sequence has {longest_q} queries: "
+                         "its later queries would get no output")
+    out = torch.empty_like(q)
+    batch, num_q_heads, head_dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
+    if max_seqlen_q == 0 or q.shape[0] == 0:
+        return out
+    scale = softmax_scale(scale, head_dim)
+
+    def grid(meta):
+        return (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_q_heads, batch)
+
+    _flash_fwd_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), scale * math.log2(math.e), window or 0,
+        GROUP=num_q_heads // k.shape[1], HEAD_DIM=head_dim, CAUSAL=bool(causal),
+        WINDOW=window is not None,
+    )
+    return out
+
+
+if __name__ == "__main__":
+    from labkit.attention.reference import flash_attention_ref
+    from labkit.bench import measure, tflops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    lens = [37, 1, 0, 70]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+    q = torch.randn(sum(lens), 8, 64, device=dev, dtype=dtype)
+    k, v = (torch.randn(sum(lens), 2, 64, device=dev, dtype=dtype) for _ in range(2))
+    for window in (None, 16):
+        err = (flash_attention(q, k, v, cu, cu, window=window).double()
+               - flash_attention_ref(q, k, v, cu, cu, window=window)).abs().max().item()
+        print(f"lengths {lens}, GQA 8/2, window {window}: max abs error vs float64 {err:.2e}")
+    if dev == "cuda":
+        B, H, S, D = 4, 32, 4096, 128
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=dev)
+        q, k, v = (torch.randn(B * S, H, D, device=dev, dtype=dtype) for _ in range(3))
+        t = measure(lambda: flash_attention(q, k, v, cu, cu, max_seqlen_q=S, check=False),
+                    device=dev)
+        print(f"causal B{B} H{H} S{S} D{D}: {t}, {tflops(2 * B * H * S * S * D, t):.0f} TFLOP/s")

@@ -1,0 +1,305 @@
+"""Paged attention in Triton: each sequence's new tokens attend over a KV cache held in blocks.
+
+What you will learn: how a block table turns attention into gathers, and why decode is a
+bandwidth problem. The cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``; token j
+of sequence b lives in physical block ``block_tables[b, j // block_size]`` at row
+``j % block_size``. One program owns one KV head of one sequence (and one tile of its new
+tokens), so each K/V tile is loaded ONCE for the whole group of query heads that share it (GQA,
+MQA): its rows are (token, query head in the group) pairs. Decode (1 new token), speculative
+verification (a few) and chunked prefill (a chunk) are the same kernel with different tile
+heights, and mix freely in one batch.
+
+Decode reads every cached byte once and does ~2 FLOPs per byte: its speed is HBM bandwidth.
+With few sequences x KV heads the GPU's SMs sit idle, so the keys are split across programs
+(flash-decoding) and the partial softmaxes are merged (``paged_attention_split.py``).
+
+fp8 (e4m3) caches hold K and V with one float32 scale per KV head: the kernel folds ``k_scale``
+into the score scale and multiplies the output by ``v_scale``, so the tiles are never rescaled.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from labkit.device import interpreter_on
+from labkit.kernels.flash_attention import (_capturing, check_cu_seqlens,
+                                            check_heads_and_dtypes, check_window,
+                                            softmax_scale)
+from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        Q, K_cache, V_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale, Out, Lse,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+        qk_scale, window, num_splits, keys_per_split,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+        WINDOW: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    q_row0 = tl.load(cu_seqlens_q + seq).to(tl.int64)
+    len_q = (tl.load(cu_seqlens_q + seq + 1) - q_row0).to(tl.int32)
+    seq_len = tl.load(seq_lens + seq)
+    if q_tile * BLOCK_Q >= len_q:
+        return
+
+    # Rows are (new token, query head of this kv head's group) pairs; GROUP_P pads the group to
+    # a power of two, and the padding rows are masked.
+    offs_r = tl.arange(0, BLOCK_Q * GROUP_P)
+    token = q_tile * BLOCK_Q + offs_r // GROUP_P
+    head = kv_head * GROUP + offs_r % GROUP_P
+    row_ok = (token < len_q) & (offs_r % GROUP_P < GROUP)
+    pos = seq_len - len_q + token  # where each new token sits in its sequence
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (q_row0 + token)[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    lo = 0
+    hi = seq_len
+    if CAUSAL:  # nothing after this tile's last token
+        hi = tl.maximum(seq_len - len_q + tl.minimum((q_tile + 1) * BLOCK_Q, len_q), 0)
+    if WINDOW:  # nothing older than the window of this tile's first token
+        lo = tl.maximum(seq_len - len_q + q_tile * BLOCK_Q - window + 1, 0)
+    if SPLIT:
+        lo = tl.maximum(lo, split * keys_per_split)
+        hi = tl.minimum(hi, (split + 1) * keys_per_split)
+    lo = lo // BLOCK_N * BLOCK_N
+    if SCALED:  # fp8: dequantising K is one multiply on the scores
+        qk_scale = qk_scale * tl.load(k_scale + kv_head)
+
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    K_head = K_cache + kv_head * stride_kh
+    V_head = V_cache + kv_head * stride_vh
+    m_i = tl.full([BLOCK_Q * GROUP_P], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM], tl.float32)
+    for n in range(lo, hi, BLOCK_N):
+        keys = n + offs_n
+        in_range = keys < hi
+        # The paging: logical key -> physical block -> row inside it.
+        block = tl.load(table + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        row = keys % BLOCK_SIZE
+        k = tl.load(K_head + (block * stride_kb + row * stride_ks)[None, :] + offs_d[:, None],
+                    mask=in_range[None, :], other=0.0)
+        v = tl.load(V_head + (block * stride_vb + row * stride_vs)[:, None] + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        s = tl.dot(q, k.to(q.dtype))  # [rows, BLOCK_N]
+        ok = in_range[None, :]
+        if CAUSAL:
+            ok = ok & (keys[None, :] <= pos[:, None])
+        if WINDOW:
+            ok = ok & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain, as in flash_attention
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+        m_i = m_new
+    if SCALED:
+        acc = acc * tl.load(v_scale + kv_head)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    rows = (q_row0 + token)[:, None]
+    if SPLIT:  # a partial result and its log-sum-exp, merged by paged_attention_split
+        o_ptrs = Out + rows * stride_ot + head[:, None] * stride_oh + split * stride_os
+        tl.store(o_ptrs + offs_d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.maximum(l_i, 1e-30)))
+        tl.store(Lse + (q_row0 + token) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+    else:
+        o_ptrs = Out + rows * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+def _check_cache(q, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Returns whether the cache is fp8 (and so needs the scales)."""
+    check_heads_and_dtypes(q, k_cache, v_cache, k_dims=4)
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    fp8 = FP8 is not None and k_cache.dtype == FP8
+    if not fp8 and k_cache.dtype != q.dtype:
+        raise TypeError(f"the KV cache must be q's dtype ({q.dtype}) or float8_e4m3fn, "
+                        f"got {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, block_size, "
+                         "num_kv_heads, head_dim] tensors; a sliced or transposed view would be "
+                         "addressed wrongly, so pass .contiguous() (or the cache itself)")
+    num_kv_heads = k_cache.shape[2]
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not fp8 and s is not None:
+            raise ValueError(f"{name} was given but the cache is {k_cache.dtype}: scales are "
+                             "for fp8 (e4m3) caches only")
+        if fp8 and (s is None or s.dtype != torch.float32 or tuple(s.shape) != (num_kv_heads,)
+                    or s.device != q.device):
+            raise ValueError(f"an fp8 cache needs {name} as float32 [num_kv_heads="
+                             f"{num_kv_heads}] on {q.device} (one scale per KV head), got "
+                             f"{None if s is None else (s.dtype, tuple(s.shape))}")
+    return fp8
+
+
+def _check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size, device,
+                  check: bool) -> int | None:
+    """Block table and lengths agree with the cache. Returns the longest sequence, reading the
+    values in ONE host sync; with ``check=False`` (or during graph capture) returns None."""
+    batch = cu_seqlens_q.numel() - 1
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or \
+            block_tables.shape[0] != batch or block_tables.stride(1) != 1 or \
+            block_tables.device != device:
+        raise ValueError(f"block_tables must be int32 [batch={batch}, max_blocks] on {device} "
+                         f"with contiguous rows, got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)} on {block_tables.device}")
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (batch,) or \
+            seq_lens.device != device:
+        raise ValueError(f"seq_lens must be int32 [batch={batch}] on {device}, got "
+                         f"{seq_lens.dtype} {tuple(seq_lens.shape)} on {seq_lens.device}")
+    if not check or _capturing():
+        return None
+    capacity = block_tables.shape[1] * block_size
+    used = torch.arange(block_tables.shape[1], device=device)[None, :] < \
+        ((seq_lens + block_size - 1) // block_size)[:, None]
+    ids = torch.cat([torch.where(used, block_tables, 0).flatten(),
+                     torch.zeros(1, dtype=torch.int32, device=device)])
+    spare = seq_lens - cu_seqlens_q.diff()  # cached tokens before the new ones
+    longest, fewest_spare, lowest, highest = torch.stack(
+        [seq_lens.max(), spare.min(), ids.min(), ids.max()]).tolist()
+    if longest > capacity or fewest_spare < 0:
+        b = int(((seq_lens > capacity) | (spare < 0)).int().argmax())
+        raise ValueError(
+            f"sequence {b}: seq_lens={int(seq_lens[b])} must be at least its "
+            f"{int(seq_lens[b] - spare[b])} new tokens and at most the block table's capacity "
+            f"{block_tables.shape[1]} blocks x {block_size} = {capacity}; widen block_tables "
+            "or fix seq_lens")
+    if lowest < 0 or highest >= num_blocks:
+        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) within "
+                         f"seq_lens (got {lowest}..{highest})")
+    return longest
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small enough that the tests' small batches exercise the split
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *,
+                    causal: bool = True, window: int | None = None, scale: float | None = None,
+                    k_scale=None, v_scale=None, num_splits: int | None = None,
+                    max_query_len: int | None = None, check: bool = True,
+                    tuning: dict | None = None):
+    """q: [total_q, Hq, D] new tokens; k/v_cache: [num_blocks, block_size, Hkv, D];
+    block_tables: int32 [batch, max_blocks]; cu_seqlens_q: int32 [batch+1]; seq_lens: int32
+    [batch] -> [total_q, Hq, D].
+
+    ``num_splits`` forces the split-KV path (>1) or turns it off (1); None chooses by occupancy.
+    ``check=False`` skips the checks that read the metadata (two host syncs); with
+    ``max_query_len`` given as well the call never waits for the GPU, as an engine that built the
+    metadata itself, or a CUDA Graph capture, needs. ``tuning`` overrides block_n, num_warps,
+    num_stages.
+    """
+    fp8 = _check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    check_window(causal, window)
+    longest_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", q.device, check)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    max_seq_len = _check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size,
+                                q.device, check)
+    if max_seq_len is None:  # unchecked: plan for the longest sequence the table can hold
+        max_seq_len = block_tables.shape[1] * block_size
+    if max_query_len is None:
+        if _capturing():
+            raise ValueError("pass max_query_len when capturing a CUDA Graph")
+        max_query_len = longest_q if longest_q is not None else int(cu_seqlens_q.diff().max())
+    elif longest_q is not None and max_query_len < longest_q:
+        raise ValueError(f"max_query_len={max_query_len} but a sequence has {longest_q} new "
+                         "tokens: its later tokens would get no output")
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or max_query_len == 0:
+        return out
+
+    batch, num_q_heads = seq_lens.numel(), q.shape[1]
+    group = num_q_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    row_cap = 32 if interpreter_on() else 64
+    block_q = min(triton.next_power_of_2(max_query_len), max(1, row_cap // group_p))
+    block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
+    tuning = dict(tuning or {})
+    block_n = tuning.pop("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
+    launch = {"num_warps": tuning.pop("num_warps", 4), "num_stages": tuning.pop("num_stages", 3)}
+    if tuning:
+        raise ValueError(f"unknown tuning keys {sorted(tuning)}; known: block_n, num_warps, "
+                         "num_stages")
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_seq_len,
+                                       _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    keys_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    split = num_splits > 1
+    if split:
+        partial = torch.empty(q.shape[0], num_q_heads, num_splits, head_dim,
+                              dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[0], num_q_heads, num_splits, dtype=torch.float32,
+                          device=q.device)
+        dest, lse_strides = partial, (lse.stride(0), lse.stride(1))
+    else:
+        dest, lse, lse_strides = out, out, (0, 0)
+    scale = softmax_scale(scale, head_dim)
+    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy, dest, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
+        scale * math.log2(math.e), window or 0, num_splits, keys_per_split,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, CAUSAL=bool(causal), WINDOW=window is not None, SCALED=fp8,
+        SPLIT=split, **launch)
+    if split:
+        merge_splits(partial, lse, out)
+    return out
+
+
+if __name__ == "__main__":
+    from labkit.attention.reference import paged_attention_ref
+    from labkit.bench import gbps, measure
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    block_size, lens_q, seq_lens = 16, [1, 4, 0, 19], [70, 33, 5, 40]  # decode, verify, idle, chunk
+    table = torch.randperm(40, device=dev)[:20].reshape(4, 5).int()
+    k_cache, v_cache = (torch.randn(40, block_size, 2, 64, device=dev, dtype=dtype)
+                        for _ in range(2))
+    q = torch.randn(sum(lens_q), 8, 64, device=dev, dtype=dtype)
+    cu = torch.tensor([0, 1, 5, 5, 24], dtype=torch.int32, device=dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    for splits in (1, 3):
+        err = (paged_attention(q, k_cache, v_cache, table, cu, lens, num_splits=splits).double()
+               - paged_attention_ref(q, k_cache, v_cache, table, cu, lens)).abs().max().item()
+        print(f"mixed batch {lens_q} new tokens over {seq_lens}, {splits} split(s): "
+              f"max abs error vs float64 {err:.2e}")
+    if dev == "cuda":
+        B, ctx = 64, 4096
+        table = torch.randperm(B * ctx // 16, device=dev).reshape(B, -1).int()
+        k_cache, v_cache = (torch.randn(B * ctx // 16, 16, 8, 128, device=dev, dtype=dtype)
+                            for _ in range(2))
+        q = torch.randn(B, 32, 128, device=dev, dtype=dtype)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        t = measure(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens,
+                                            max_query_len=1, check=False), device=dev)
+        print(f"decode B{B} GQA 32/8 ctx {ctx}: {t}, "
+              f"{gbps(2 * k_cache.numel() * k_cache.element_size(), t):.0f} GB/s of KV")

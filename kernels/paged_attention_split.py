@@ -1,0 +1,74 @@
+"""Split-KV decoding (flash-decoding): how many splits, and the kernel that merges them.
+
+When batch x kv_heads x query tiles is smaller than the number of SMs, most of the GPU would
+wait while a few programs walk long contexts. Splitting each context into ``num_splits`` key
+ranges gives every SM work; each split returns its normalised partial output ``o_s`` and the
+log-sum-exp of its scores ``lse_s`` (base 2). The exact softmax over all keys is then
+
+    out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m),   m = max_s lse_s,
+
+because each ``o_s`` is its own softmax-weighted mean and ``2^lse_s`` its share of the total
+weight. A split that saw no key has ``lse_s = -inf`` and weight 0.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its partial write, the merge) dominates
+MAX_SPLITS = 64
+
+
+def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per (sequence, kv head, query tile) so that about two waves of programs run."""
+    if programs >= num_sms:
+        return 1
+    wanted = triton.cdiv(2 * num_sms, max(programs, 1))
+    useful = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+@triton.jit
+def _merge_splits_kernel(Partial, Lse, Out, num_splits,
+                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot,
+                         stride_oh, HEAD_DIM: tl.constexpr, SPLITS_P: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+    real = offs_s < num_splits
+    lse = tl.load(Lse + token * stride_lt + head * stride_lh + offs_s, mask=real,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    weight = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    partial = tl.load(Partial + token * stride_pt + head * stride_ph
+                      + offs_s[:, None] * stride_ps + offs_d[None, :],
+                      mask=real[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + token * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """partial: float32 [total_q, Hq, S, D]; lse: float32 [total_q, Hq, S]
+    -> out: [total_q, Hq, D] (written in place and returned)."""
+    total_q, num_heads, num_splits, head_dim = partial.shape
+    if total_q == 0:
+        return out
+    _merge_splits_kernel[(total_q, num_heads)](
+        partial, lse, out, num_splits,
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_P=triton.next_power_of_2(num_splits))
+    return out
+
+
+def merge_splits_ref(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The same merge in torch (float64), for the tests."""
+    lse = lse.double()
+    m = lse.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    weight = torch.exp2(lse - m)
+    total = weight.sum(-1, keepdim=True)
+    out = (weight[..., None] * partial.double()).sum(-2)
+    return out / torch.where(total == 0, torch.ones_like(total), total)

@@ -1,0 +1,204 @@
+"""Which attention backend serves a model, its cache, its requests, its graphs and its hardware.
+
+``select_backend(spec)`` walks ``backends.PRIORITY`` and takes the first backend with no reason
+against the spec, logging why each earlier one was passed over. ``prefer="name"`` forces one:
+if it cannot serve the spec, the error lists every reason instead of silently falling back.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from labkit.attention.backends import BACKENDS, PRIORITY, Backend
+
+log = logging.getLogger("labkit.attention")
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KV_SCALES = ("none", "per_tensor", "per_kv_head", "per_token")
+GRAPH_MODES = ("none", "uniform_decode", "full")  # what the caller wants to capture
+_GRAPH_NEEDS = {"none": ("always", "uniform_decode", "never"),
+                "uniform_decode": ("always", "uniform_decode"), "full": ("always",)}
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything a backend must match. ``block_size=None`` means a contiguous (unpaged) cache."""
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    mla: bool = False  # multi-head latent attention (DeepSeek): a compressed latent KV
+    sliding_window: int | None = None
+    kv_cache_dtype: str = "auto"
+    kv_scale: str = "none"
+    block_size: int | None = 16
+    mixed_batch: bool = True  # prefill chunks and decode tokens in one batch
+    cuda_graph: str = "none"
+    device: str = "cuda"
+    compute_capability: tuple[int, int] | None = None  # None: any
+
+    def __post_init__(self):
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", _DTYPES.get(self.dtype, self.dtype))
+        for name in ("num_q_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch dtype or one of {list(_DTYPES)}, "
+                             f"got {self.dtype!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, "
+                             f"got {self.sliding_window!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_scale not in KV_SCALES:
+            raise ValueError(f"kv_scale must be one of {KV_SCALES}, got {self.kv_scale!r}")
+        if (self.kv_cache_dtype == "auto") != (self.kv_scale == "none"):
+            raise ValueError(f"kv_scale={self.kv_scale!r} with kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r}: a quantised cache needs a scale "
+                             "granularity and an unquantised one has none")
+        if self.block_size is not None and (self.block_size < 1
+                                            or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be None (contiguous) or a power of two, "
+                             f"got {self.block_size}")
+        if self.cuda_graph not in GRAPH_MODES:
+            raise ValueError(f"cuda_graph must be one of {GRAPH_MODES}, got {self.cuda_graph!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+
+    @property
+    def attention_kind(self) -> str:
+        if self.mla:
+            return "MLA"
+        if self.num_kv_heads == self.num_q_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @classmethod
+    def here(cls, **fields) -> "AttentionSpec":
+        """A spec for this machine: its device and, on a GPU, its compute capability."""
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return cls(device="cuda", compute_capability=(props.major, props.minor), **fields)
+        return cls(device="cpu", **fields)
+
+
+def reasons_against(backend: Backend, spec: AttentionSpec) -> list[str]:
+    """Every way ``backend`` fails ``spec``; an empty list means it can serve it."""
+    b, s, why = backend, spec, []
+    if s.attention_kind not in b.attention_kinds:
+        why.append(f"model: {s.attention_kind} attention is not supported "
+                   f"(supports {'/'.join(b.attention_kinds)})")
+    if b.head_dims is not None and s.head_dim not in b.head_dims:
+        why.append(f"model: head_dim {s.head_dim} is not supported "
+                   f"({_short(b.head_dims)})")
+    if s.sliding_window is not None and not b.sliding_window:
+        why.append("model: no sliding window")
+    if s.dtype not in b.dtypes:
+        why.append(f"model: dtype {s.dtype} is not supported ({_short(b.dtypes)})")
+    if s.kv_cache_dtype not in b.kv_cache_dtypes:
+        why.append(f"cache: KV dtype {s.kv_cache_dtype} is not supported "
+                   f"({'/'.join(b.kv_cache_dtypes)})")
+    elif s.kv_scale != "none" and s.kv_scale not in b.kv_scales:
+        why.append(f"cache: {s.kv_scale} scales are not supported "
+                   f"({'/'.join(b.kv_scales) or 'none'})")
+    if s.block_size is not None and b.block_sizes is not None and \
+            s.block_size not in b.block_sizes:
+        why.append(f"cache: block_size {s.block_size} is not supported ({_short(b.block_sizes)})")
+    if s.mixed_batch and not b.mixed_batches:
+        why.append("request: cannot mix prefill and decode in one batch")
+    if b.cuda_graphs not in _GRAPH_NEEDS[s.cuda_graph]:
+        why.append(f"graph: capture of {s.cuda_graph} batches is not supported "
+                   f"(CUDA Graphs: {b.cuda_graphs})")
+    if s.device not in b.devices:
+        why.append(f"hardware: runs on {'/'.join(b.devices)}, not {s.device}")
+    elif s.device == "cuda" and s.compute_capability is not None:
+        need = b.min_compute_capability
+        if s.kv_cache_dtype == "fp8_e4m3" and b.fp8_min_compute_capability:
+            need = max(need or (0, 0), b.fp8_min_compute_capability)
+        if need and tuple(s.compute_capability) < need:
+            why.append(f"hardware: needs compute capability {need[0]}.{need[1]}+, this GPU is "
+                       f"{s.compute_capability[0]}.{s.compute_capability[1]}")
+    return why
+
+
+def _short(values) -> str:
+    values = list(values)
+    text = ", ".join(str(v).replace("torch.", "") for v in values[:6])
+    return text + (f", ... {values[-1]}" if len(values) > 6 else "")
+
+
+class BackendUnavailable(ValueError):
+    def __init__(self, message: str, reasons: dict[str, list[str]]):
+        super().__init__(message)
+        self.reasons = reasons
+
+
+def select_backend(spec: AttentionSpec, prefer: str | None = None
+                   ) -> tuple[Backend, dict[str, list[str]]]:
+    """Returns (backend, reasons): for every backend not chosen, why it was passed over."""
+    reasons = {name: reasons_against(BACKENDS[name], spec) for name in PRIORITY}
+    if prefer is not None:
+        if prefer not in BACKENDS:
+            raise ValueError(f"unknown backend {prefer!r}; known: {list(BACKENDS)}")
+        if reasons[prefer]:
+            raise BackendUnavailable(
+                f"backend {prefer!r} was forced but cannot serve {spec}:\n  - "
+                + "\n  - ".join(reasons[prefer])
+                + "\nDrop prefer= to let auto selection choose, or change the spec.", reasons)
+        chosen = prefer
+    else:
+        chosen = next((n for n in PRIORITY if not reasons[n]), None)
+        if chosen is None:
+            lines = [f"  {n}: {'; '.join(r)}" for n, r in reasons.items()]
+            raise BackendUnavailable(f"no attention backend can serve {spec}:\n"
+                                     + "\n".join(lines), reasons)
+    passed = {}
+    for name in PRIORITY:
+        if name == chosen:
+            continue
+        passed[name] = reasons[name] or [
+            f"compatible, but {chosen!r} was forced" if prefer else
+            f"compatible, but after {chosen!r} in the priority order {list(PRIORITY)}"]
+    for line in selection_lines(chosen, passed, forced=prefer is not None, spec=spec):
+        log.info(line)
+    return BACKENDS[chosen], passed
+
+
+def selection_lines(chosen: str, passed: dict[str, list[str]], *, forced: bool,
+                    spec: AttentionSpec) -> list[str]:
+    """The log of one selection, as lines a notebook can print."""
+    lines = [f"attention backend {chosen!r} for {spec.attention_kind} "
+             f"({'forced' if forced else 'auto'})"]
+    lines += [f"  passed over {name!r}: {'; '.join(why)}" for name, why in passed.items()]
+    return lines
+
+
+def example_specs(device: str = "cuda", compute_capability=(9, 0)) -> dict[str, AttentionSpec]:
+    """Model shapes worth selecting for (head counts as published for these models)."""
+    hw = dict(device=device, compute_capability=compute_capability if device == "cuda" else None)
+    return {
+        "MHA (Llama-2-7B)": AttentionSpec(32, 32, 128, **hw),
+        "GQA (Llama-3-8B)": AttentionSpec(32, 8, 128, **hw),
+        "sliding window (Mistral-7B)": AttentionSpec(32, 8, 128, sliding_window=4096, **hw),
+        "GQA + fp8 KV cache": AttentionSpec(32, 8, 128, kv_cache_dtype="fp8_e4m3",
+                                            kv_scale="per_kv_head", **hw),
+        "GQA, decode in CUDA Graphs": AttentionSpec(32, 8, 128, cuda_graph="uniform_decode",
+                                                    **hw),
+        "MLA (DeepSeek-V2-Lite)": AttentionSpec(16, 16, 576, mla=True, **hw),
+    }
+
+
+def explain(spec: AttentionSpec) -> list[dict]:
+    """One row per backend, in priority order: whether it can serve ``spec``, and why not."""
+    return [{"backend": n, "compatible": not reasons_against(BACKENDS[n], spec),
+             "reasons": "; ".join(reasons_against(BACKENDS[n], spec))} for n in PRIORITY]

@@ -1,0 +1,350 @@
+"""labkit's Triton attention kernels against their float64 references.
+
+On CPU the kernels run in Triton's interpreter (float32/float16, small shapes); the tests marked
+``gpu`` run bf16 and fp8 on a real GPU. Every test draws fresh random inputs from a seed it
+prints on failure, so a failure can be replayed.
+"""
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import labkit  # noqa: F401
+from labkit.attention import (flash_attention, flash_attention_ref, paged_attention,
+                              paged_attention_ref)
+from labkit.kernels.paged_attention_split import (choose_num_splits, merge_splits,
+                                                  merge_splits_ref)
+
+CPU_TOL = {torch.float32: 2e-4, torch.float16: 3e-3}
+FP8 = torch.float8_e4m3fn
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def cu_seqlens(lens, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
+def packed(lens_q, lens_k, hq, hkv, d, dtype, seed, device="cpu"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=g).to(device, dtype) for _ in range(2))
+    return q, k, v, cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
+
+
+def paged(lens_q, seq_lens, hq, hkv, d, block_size, dtype, seed, device="cpu", spare_blocks=1):
+    """A paged batch whose blocks are scattered through the cache, as after real allocation."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    width = max(math.ceil(n / block_size) for n in seq_lens) + spare_blocks
+    num_blocks = len(seq_lens) * width + 3
+    table = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * width]
+    table = table.reshape(len(seq_lens), width).int().to(device)
+    shape = (num_blocks, block_size, hkv, d)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(2))
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(device, dtype)
+    return (q, k_cache, v_cache, table, cu_seqlens(lens_q, device),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+def max_err(out, ref):
+    assert out.shape == ref.shape, f"output shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    return (out.double() - ref.double()).abs().amax().item() if out.numel() else 0.0
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# --- flash_attention (interpreter) ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_flash_matches_reference_on_a_ragged_gqa_batch(dtype):
+    seed = fresh_seed()
+    lens = [37, 1, 0, 18]  # not multiples of the 16-wide tiles, one token, one empty
+    args = packed(lens, lens, 4, 2, 64, dtype, seed)
+    err = max_err(flash_attention(*args), flash_attention_ref(*args))
+    assert err < CPU_TOL[dtype], f"seed {seed}: causal GQA 4/2 {dtype} max error {err:.2e}"
+
+
+def test_flash_causal_mask_is_aligned_to_the_end_of_the_keys():
+    seed = fresh_seed()
+    # 5 queries after 40 keys see keys up to 35+i; 20 queries over 12 keys: the first 8 see none
+    args = packed([5, 20], [40, 12], 2, 2, 64, torch.float32, seed)
+    out, ref = flash_attention(*args), flash_attention_ref(*args)
+    assert max_err(out, ref) < 2e-4, f"seed {seed}: end-aligned causal mask differs"
+    assert out[5:13].abs().max() == 0, "queries that come before every key must return zeros"
+
+
+def test_flash_sliding_window_sees_only_the_most_recent_keys():
+    seed = fresh_seed()
+    args = packed([33, 50], [33, 70], 4, 1, 64, torch.float32, seed)  # MQA as well
+    err = max_err(flash_attention(*args, window=9), flash_attention_ref(*args, window=9))
+    assert err < 2e-4, f"seed {seed}: window 9 max error {err:.2e}"
+
+
+def test_flash_non_causal_with_a_custom_scale():
+    seed = fresh_seed()
+    args = packed([20, 3], [9, 31], 2, 2, 64, torch.float32, seed)
+    err = max_err(flash_attention(*args, causal=False, scale=0.3),
+                  flash_attention_ref(*args, causal=False, scale=0.3))
+    assert err < 2e-4, f"seed {seed}: non-causal max error {err:.2e}"
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_flash_large_head_dims(head_dim):
+    seed = fresh_seed()
+    args = packed([17], [17], 2, 1, head_dim, torch.float32, seed)
+    err = max_err(flash_attention(*args), flash_attention_ref(*args))
+    assert err < 2e-4, f"seed {seed}: head_dim {head_dim} max error {err:.2e}"
+
+
+HEADS = st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (8, 2)])  # MHA, GQA and MQA
+
+
+@settings(max_examples=6, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
+       heads=HEADS, window=st.one_of(st.none(), st.integers(1, 30)), seed=st.integers(0, 2**31))
+def test_flash_on_random_shapes(lens, heads, window, seed):
+    lens_q = [q for q, _ in lens]
+    lens_k = [k for _, k in lens]
+    args = packed(lens_q, lens_k, *heads, 64, torch.float32, seed)
+    err = max_err(flash_attention(*args, window=window), flash_attention_ref(*args, window=window))
+    assert err < 2e-4, f"lengths {lens}, heads {heads}, window {window}: max error {err:.2e}"
+
+
+# --- paged_attention (interpreter) ------------------------------------------------------------
+
+def test_paged_decode_batch_matches_reference():
+    seed = fresh_seed()
+    args = paged([1, 1, 1], [1, 40, 77], 8, 2, 64, 16, torch.float32, seed)
+    err = max_err(paged_attention(*args, num_splits=1), paged_attention_ref(*args))
+    assert err < 2e-4, f"seed {seed}: decode max error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_mixed_batch_of_decode_verify_chunk_and_empty(dtype):
+    seed = fresh_seed()
+    # decode (1 new token), speculative verify (4), chunked prefill (23 of 50), idle (0)
+    args = paged([1, 4, 23, 0], [30, 19, 50, 9], 4, 2, 64, 16, dtype, seed)
+    err = max_err(paged_attention(*args), paged_attention_ref(*args))
+    assert err < CPU_TOL[dtype], f"seed {seed}: mixed batch {dtype} max error {err:.2e}"
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+def test_paged_every_block_size(block_size):
+    seed = fresh_seed()
+    args = paged([1, 3], [block_size + 5, 2 * block_size - 1], 2, 1, 64, block_size,
+                 torch.float32, seed)
+    err = max_err(paged_attention(*args), paged_attention_ref(*args))
+    assert err < 2e-4, f"seed {seed}: block_size {block_size} max error {err:.2e}"
+
+
+def test_paged_sliding_window():
+    seed = fresh_seed()
+    args = paged([1, 6], [45, 30], 4, 4, 64, 16, torch.float32, seed)
+    err = max_err(paged_attention(*args, window=11), paged_attention_ref(*args, window=11))
+    assert err < 2e-4, f"seed {seed}: window 11 max error {err:.2e}"
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_paged_split_kv_gives_the_same_answer_as_one_pass(num_splits):
+    seed = fresh_seed()
+    args = paged([1, 2], [90, 37], 4, 2, 64, 16, torch.float32, seed)
+    err = max_err(paged_attention(*args, num_splits=num_splits), paged_attention_ref(*args))
+    assert err < 2e-4, f"seed {seed}: {num_splits} splits max error {err:.2e}"
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_paged_large_head_dims(head_dim):
+    seed = fresh_seed()
+    args = paged([1, 2], [20, 33], 2, 1, head_dim, 16, torch.float32, seed)
+    err = max_err(paged_attention(*args), paged_attention_ref(*args))
+    assert err < 2e-4, f"seed {seed}: head_dim {head_dim} max error {err:.2e}"
+
+
+@settings(max_examples=6, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 60)), min_size=1, max_size=4),
+       heads=HEADS, block_size=st.sampled_from([16, 32, 64]),
+       num_splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**31))
+def test_paged_on_random_mixed_batches(seqs, heads, block_size, num_splits, seed):
+    lens_q = [q for q, _ in seqs]
+    seq_lens = [max(q, 1) + extra for q, extra in seqs]  # the cache holds the new tokens too
+    args = paged(lens_q, seq_lens, *heads, 64, block_size, torch.float32, seed)
+    err = max_err(paged_attention(*args, num_splits=num_splits), paged_attention_ref(*args))
+    assert err < 2e-4, (f"new tokens {lens_q} over {seq_lens}, heads {heads}, block "
+                        f"{block_size}, splits {num_splits}: max error {err:.2e}")
+
+
+def quantise_fp8(cache):
+    scale = cache.float().abs().amax((0, 1, 3)) / 448.0  # one scale per KV head
+    return (cache.float() / scale[:, None]).to(FP8), scale
+
+
+def test_paged_fp8_cache_matches_reference_on_the_same_fp8_values():
+    seed = fresh_seed()
+    q, k, v, table, cu, lens = paged([1, 3], [40, 21], 4, 2, 64, 16, torch.float32, seed)
+    (k8, k_scale), (v8, v_scale) = quantise_fp8(k), quantise_fp8(v)
+    args = (q, k8, v8, table, cu, lens)
+    err = max_err(paged_attention(*args, k_scale=k_scale, v_scale=v_scale),
+                  paged_attention_ref(*args, k_scale=k_scale, v_scale=v_scale))
+    assert err < 2e-4, f"seed {seed}: fp8 cache max error {err:.2e}"
+
+
+def test_merge_of_splits_matches_its_formula_including_empty_splits():
+    g = torch.Generator().manual_seed(fresh_seed())
+    partial = torch.randn(5, 3, 4, 64, generator=g)
+    lse = torch.randn(5, 3, 4, generator=g) * 4
+    lse[0, :, 1:] = float("-inf")  # only one split saw keys
+    lse[1] = float("-inf")  # no split saw any key: zeros
+    out = merge_splits(partial, lse, torch.empty(5, 3, 64))
+    assert max_err(out, merge_splits_ref(partial, lse)) < 1e-5
+    assert out[1].abs().max() == 0
+
+
+def test_split_is_chosen_only_when_the_gpu_would_be_underfilled():
+    assert choose_num_splits(64 * 8, 4096, 132) == 1, "512 programs fill 132 SMs"
+    assert choose_num_splits(8, 32768, 132) > 8, "8 programs over 32k keys must split"
+    assert choose_num_splits(8, 300, 132) == 2, "short contexts split only into useful pieces"
+
+
+# --- bad input is an error, never a wrong answer -----------------------------------------------
+
+def test_heads_that_do_not_divide_are_refused():
+    args = packed([4], [4], 3, 2, 64, torch.float32, 0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        flash_attention(*args)
+
+
+def test_a_cache_of_another_dtype_is_refused():
+    q, k, v, *rest = paged([1], [5], 2, 2, 64, 16, torch.float32, 0)
+    with pytest.raises(TypeError, match="dtype"):
+        paged_attention(q, k.half(), v.half(), *rest)
+
+
+def test_an_fp8_cache_without_scales_is_refused():
+    q, k, v, *rest = paged([1], [5], 2, 2, 64, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_attention(q, k.to(FP8), v.to(FP8), *rest)
+
+
+def test_a_block_table_too_narrow_for_seq_lens_is_refused():
+    q, k, v, table, cu, _ = paged([1], [20], 2, 2, 64, 16, torch.float32, 0, spare_blocks=0)
+    too_long = torch.tensor([33], dtype=torch.int32)  # 2 blocks of 16 hold at most 32
+    with pytest.raises(ValueError, match="capacity"):
+        paged_attention(q, k, v, table, cu, too_long)
+
+
+def test_block_ids_outside_the_cache_are_refused():
+    q, k, v, table, cu, lens = paged([1], [20], 2, 2, 64, 16, torch.float32, 0)
+    table[0, 1] = k.shape[0]
+    with pytest.raises(ValueError, match="outside"):
+        paged_attention(q, k, v, table, cu, lens)
+
+
+def test_a_non_contiguous_cache_is_refused():
+    q, k, v, *rest = paged([1], [5], 2, 2, 64, 16, torch.float32, 0)
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)  # right shape, wrong layout
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_attention(q, k_t, v, *rest)
+
+
+def test_cu_seqlens_must_be_int32_and_add_up():
+    q, k, v, cu, _ = packed([4, 4], [4, 4], 2, 2, 64, torch.float32, 0)
+    with pytest.raises(ValueError, match="int32"):
+        flash_attention(q, k, v, cu.long(), cu)
+    with pytest.raises(ValueError, match="end at the token count"):
+        flash_attention(q, k, v, torch.tensor([0, 4, 7], dtype=torch.int32), cu)
+
+
+def test_a_window_without_causal_is_refused():
+    args = packed([4], [4], 2, 2, 64, torch.float32, 0)
+    with pytest.raises(ValueError, match="causal"):
+        flash_attention(*args, causal=False, window=2)
+
+
+# --- on a GPU: bf16 against float64, fp8 ------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,hq,hkv,window", [(64, 8, 8, None), (128, 32, 8, None),
+                                                     (128, 16, 2, 256), (256, 8, 1, None)])
+def test_gpu_flash_bf16_relative_error_below_1e_2(head_dim, hq, hkv, window):
+    seed = fresh_seed()
+    lens_q, lens_k = [1000, 1, 0, 257, 129], [1000, 700, 5, 300, 129]
+    args = packed(lens_q, lens_k, hq, hkv, head_dim, torch.bfloat16, seed, "cuda")
+    err = rel_err(flash_attention(*args, window=window), flash_attention_ref(*args, window=window))
+    assert err < 1e-2, f"seed {seed}: bf16 D{head_dim} {hq}/{hkv} window {window}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("num_splits", [1, None, 7])
+def test_gpu_paged_bf16_mixed_batch_relative_error_below_1e_2(block_size, num_splits):
+    seed = fresh_seed()
+    args = paged([1, 1, 5, 300, 0], [4000, 17, 900, 1200, 3], 32, 8, 128, block_size,
+                 torch.bfloat16, seed, "cuda")
+    err = rel_err(paged_attention(*args, num_splits=num_splits), paged_attention_ref(*args))
+    assert err < 1e-2, f"seed {seed}: block {block_size} splits {num_splits}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_paged_fp8_cache_relative_error_below_1e_2(head_dim):
+    seed = fresh_seed()
+    q, k, v, table, cu, lens = paged([1, 1, 3], [3000, 100, 512], 16, 4, head_dim, 16,
+                                     torch.bfloat16, seed, "cuda")
+    (k8, k_scale), (v8, v_scale) = quantise_fp8(k), quantise_fp8(v)
+    args = (q, k8, v8, table, cu, lens)
+    err = rel_err(paged_attention(*args, k_scale=k_scale, v_scale=v_scale),
+                  paged_attention_ref(*args, k_scale=k_scale, v_scale=v_scale))
+    assert err < 1e-2, f"seed {seed}: fp8 D{head_dim}: {err:.2e}"
+
+
+def test_unchecked_calls_give_the_same_answer_when_the_metadata_is_right():
+    seed = fresh_seed()
+    args = paged([1, 3], [40, 21], 4, 2, 64, 16, torch.float32, seed)
+    checked = paged_attention(*args)
+    unchecked = paged_attention(*args, check=False, max_query_len=3)
+    assert torch.equal(checked, unchecked), f"seed {seed}: check=False changed the answer"
+
+
+def test_a_non_positive_scale_is_refused():
+    args = packed([4], [4], 2, 2, 64, torch.float32, 0)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        flash_attention(*args, scale=0.0)
+
+
+@pytest.mark.gpu
+def test_gpu_uniform_decode_replays_in_a_cuda_graph_with_new_inputs():
+    seed = fresh_seed()
+    q, k, v, table, cu, lens = paged([1, 1, 1, 1], [100, 37, 512, 9], 8, 2, 128, 16,
+                                     torch.bfloat16, seed, "cuda")
+
+    def step():  # no host sync: check=False and max_query_len given, as in a captured decode
+        return paged_attention(q, k, v, table, cu, lens, check=False, max_query_len=1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    q.copy_(torch.randn_like(q))  # copy_ into the captured buffers, never rebind them
+    lens.copy_(torch.tensor([101, 38, 300, 10], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = rel_err(out, paged_attention_ref(q, k, v, table, cu, lens))
+    assert err < 1e-2, f"seed {seed}: replayed decode relative error {err:.2e}"
+
+
+def test_a_max_query_len_shorter_than_a_sequence_is_refused():
+    args = paged([1, 5], [10, 12], 2, 2, 64, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="max_query_len"):
+        paged_attention(*args, max_query_len=2)
