@@ -5,18 +5,18 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 # Where there is no GPU: the CPU build of torch (from local disk on this project's build machines;
 # elsewhere add e.g. PIP_EXTRA_INDEX_URL pointing at PyTorch's CPU wheel index) and the Triton
-# release the GPU image runs, for its interpreter.
+# release the GPU image runs, for its interpreter, with a NumPy that interpreter works with
+# (Triton 3.6's interpreter calls int() on one-element arrays, which NumPy 2.4 refuses).
 TORCH_CPU ?= torch==2.13.0
 TRITON_CPU ?= triton==3.6.0
+NUMPY_CPU ?= numpy<2.4
 # On a GPU host without a venv (an offline workshop node), gpu-check and record use $(PYTHON).
 GPY = $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
 # e.g. GPU_CHECK_ARGS="--notebooks 00 01 --benchmarks launch_overhead" to check a part
 GPU_CHECK_ARGS ?=
 STAMP := $(shell date +%Y%m%d-%H%M%S)
-# Jupyter refuses to start as root unless told; containers and CI often run as root.
-ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help lab test run gpu-check record venv clean
+.PHONY: help lab test run gpu-check record venv clean chromium
 help:
 	@echo "make lab        set up .venv and open JupyterLab on notebooks/ (127.0.0.1, with a token)"
 	@echo "make test       set up .venv if needed and run every test, notebooks included"
@@ -39,17 +39,25 @@ $(VENV)/.installed: pyproject.toml
 	  fi; \
 	  echo "labkit: no GPU here: installing the CPU build ($(TORCH_CPU)) and Triton for its interpreter"; \
 	  [ -x $(VPY) ] || $(PYTHON) -m venv $(VENV); \
-	  $(VPY) -m pip install -q --disable-pip-version-check $(TORCH_CPU) $(TRITON_CPU); \
+	  $(VPY) -m pip install -q --disable-pip-version-check $(TORCH_CPU) $(TRITON_CPU) '$(NUMPY_CPU)'; \
 	fi; \
 	$(VPY) -m pip install -q --disable-pip-version-check -e '.[lab,test]'; \
 	$(VPY) -m ipykernel install --sys-prefix --name labkit --display-name "labkit (.venv)" >/dev/null; \
 	touch $@
 
 lab: venv
-	$(VPY) -m jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False $(ALLOW_ROOT)
+	$(VPY) -m labkit.lab_server
 
-test: venv
+test: venv chromium
 	$(VPY) -m pytest
+
+# The browser test drives Debian's chromium (no browser download); installed here when missing.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  echo "labkit: installing chromium (apt) for the browser test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
+	  || echo "labkit: could not install chromium; the browser test will say so"; }
 
 run: venv
 	$(VPY) -m labkit.run_notebooks --out runs/$(STAMP)

@@ -4,5 +4,28 @@ from labkit.device import configure_triton, fingerprint, select_device
 # Must run before anything imports triton: with no GPU, Triton's kernels run in its interpreter.
 configure_triton()
 
+
+def _map_kernels_folder() -> None:
+    """``labkit.kernels`` is the top-level ``kernels/`` folder (pyproject maps it). An editable
+    install by an older setuptools ('setup.py develop') ignores that mapping: then load the
+    folder from the checkout under its package name ourselves."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "labkit.kernels" in sys.modules or importlib.util.find_spec("labkit.kernels") is not None:
+        return
+    init = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    if init.exists():
+        spec = importlib.util.spec_from_file_location(
+            "labkit.kernels", init, submodule_search_locations=[str(init.parent)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["labkit.kernels"] = module
+        spec.loader.exec_module(module)
+        globals()["kernels"] = module
+
+
+_map_kernels_folder()
+
 __all__ = ["configure_triton", "fingerprint", "select_device"]
 __version__ = "0.1.0"

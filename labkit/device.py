@@ -31,7 +31,20 @@ def configure_triton() -> bool:
             )
         else:
             os.environ["TRITON_INTERPRET"] = "1"
+    if interpreter_on():
+        _check_numpy_for_interpreter()
     return interpreter_on()
+
+
+def _check_numpy_for_interpreter() -> None:
+    import numpy
+
+    major, minor = (int(p) for p in numpy.__version__.split(".")[:2])
+    if (major, minor) >= (2, 4):
+        warnings.warn(
+            f"NumPy {numpy.__version__} breaks Triton 3.6's interpreter on loops with a runtime "
+            "bound ('only 0-dimensional arrays can be converted'); install 'numpy<2.4' where "
+            "kernels run interpreted (make lab and make test do)", stacklevel=3)
 
 
 def interpreter_on() -> bool:

@@ -13,17 +13,25 @@ import time
 
 import labkit  # noqa: F401  (device set-up first)
 from labkit import recorded
+from labkit.lab import NOTEBOOK_DIR
+
+ROOT = NOTEBOOK_DIR.parent
 
 RECORDERS: dict[str, str] = {
     "device_peaks": "labkit.peaks:record",
     "launch_overhead": "labkit.launch_overhead:record",
     "graphs": "labkit.graph_experiments:record",
     "graph_pitfalls": "labkit.graph_pitfalls:record",
+    "torch_compile": "labkit.recompiles:record",
+    "overlap": "labkit.transfer:record",
+    "attention": "benchmarks.attention:record",
 }
 
 
 def _resolve(spec: str):
     module, _, func = spec.partition(":")
+    if module.startswith("benchmarks.") and str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of scripts beside labkit/
     return getattr(importlib.import_module(module), func)
 
 
