@@ -127,6 +127,8 @@ def capture_error(fn: Callable, *args, warmup: int) -> str | None:
     try:
         capture(fn, *args, warmup=warmup)
     except RuntimeError as e:
+        while e.__context__ is not None:  # the first failure, not "failed due to a previous error"
+            e = e.__context__
         return str(e).strip().splitlines()[0]
     return None
 
