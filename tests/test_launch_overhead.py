@@ -51,9 +51,11 @@ def test_cpu_sweep_measures_every_size_in_both_modes():
 def test_graph_replay_computes_what_eager_computes_and_is_faster_for_tiny_kernels():
     dev = torch.device("cuda")
     x = torch.zeros(256, device=dev)
-    g = lo.capture_chain(x, 50)      # warm-up adds 50, capture does not run the kernels
+    g = lo.capture_chain(x, 50)      # two warm-up runs add 100; capturing runs nothing
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 100.0)), "capture must record, not execute"
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(x, torch.full_like(x, 100.0))
+    assert torch.equal(x, torch.full_like(x, 150.0)), "one replay runs the 50 kernels once"
     df = lo.sweep([256], n_kernels=100, device=dev)
     assert lo.speedup_table(df).speedup.iloc[0] > 2
