@@ -14,15 +14,19 @@ NUMPY_CPU ?= numpy<2.4
 GPY = $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
 # e.g. GPU_CHECK_ARGS="--notebooks 00 01 --benchmarks launch_overhead" to check a part
 GPU_CHECK_ARGS ?=
+# e.g. FROM=gpu-results/<stamp>/notebooks: make handouts from notebooks already run (default: run them now)
+FROM ?=
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: help lab test run gpu-check record venv clean chromium
+.PHONY: help lab test run gpu-check record handouts reset venv clean chromium
 help:
 	@echo "make lab        set up .venv and open JupyterLab on notebooks/ (127.0.0.1, with a token)"
 	@echo "make test       set up .venv if needed and run every test, notebooks included"
 	@echo "make run        execute every notebook headless into runs/<timestamp>/ with a summary"
 	@echo "make gpu-check  on a CUDA host: GPU tests, notebooks at full size, benchmarks -> gpu-results/"
 	@echo "make record     on a CUDA host: refresh the recorded GPU figures in labkit/recorded_data/"
+	@echo "make handouts   executed notebooks -> static HTML pages in handouts/<timestamp>/ (FROM=run folder)"
+	@echo "make reset      strip outputs and widget state from notebooks/ (between workshop groups)"
 
 venv: $(VENV)/.installed
 
@@ -67,6 +71,12 @@ gpu-check:
 
 record:
 	$(GPY) -m labkit.record
+
+handouts:
+	$(GPY) -m labkit.handouts --out handouts/$(STAMP) $(if $(FROM),--from $(FROM))
+
+reset:
+	$(GPY) -m labkit.handouts --strip notebooks/
 
 clean:
 	rm -rf $(VENV) runs test-results build *.egg-info

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from labkit.device import fingerprint
 from labkit.lab import NOTEBOOK_DIR
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     paths = [p for p in notebooks()
              if not args.names or any(p.stem.startswith(n) for n in args.names)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Which machine made these numbers: handouts print it at the top of every page.
+    (args.out / "fingerprint.json").write_text(json.dumps(fingerprint(), indent=1))
     runs = []
     for path in paths:
         print(f"running {path.name} ...", flush=True)
