@@ -1,0 +1,82 @@
+"""labkit.attention.roofline: the arithmetic behind notebook 06's roofline and target table."""
+import inspect
+import math
+import sys
+
+import pytest
+
+from labkit.attention import roofline as rl
+from labkit.record import ROOT
+
+
+def _benchmark():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import benchmarks.attention as bench
+    return bench
+
+
+def _defaults(fn) -> dict:
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def test_the_roofline_uses_the_shapes_the_benchmark_measures():
+    bench = _benchmark()
+    p, d = _defaults(bench.prefill), _defaults(bench.decode)
+    assert (p["B"], p["H"], p["S"], p["D"]) == tuple(rl.PREFILL.values()), \
+        "benchmarks/attention.py prefill() changed shape: update roofline.PREFILL to match"
+    assert (d["B"], d["Hq"], d["Hkv"], d["ctx"], d["D"], d["block_size"]) == \
+        tuple(rl.DECODE.values()), "decode() changed shape: update roofline.DECODE"
+    assert _defaults(bench.long_context)["ctx"] == rl.LONG_CONTEXT
+
+
+def test_decode_workload_moves_the_bytes_the_benchmark_counts():
+    w = rl.decode_workload()
+    kv_bytes = 2 * 64 * 4096 * 8 * 128 * 2  # K and V, bf16
+    assert kv_bytes <= w.bytes_moved() < 1.01 * kv_bytes, "decode traffic is the KV cache"
+    assert rl.decode_workload(kv_cache_dtype="fp8_e4m3").bytes_moved() < 0.51 * w.bytes_moved()
+
+
+def test_points_come_from_the_measured_time_and_skip_peers_that_did_not_run():
+    data = {"prefill": {"triton (ours)": {"us": 1000.0}, "sdpa cudnn": None},
+            "decode": {"auto": {"us": 250.0}}}
+    pts = rl.roofline_points(data)
+    assert list(pts.backend) == ["triton (ours)", "triton (ours)"], "a None peer is left out"
+    prefill = pts.iloc[0]
+    w = rl.prefill_workload()
+    assert prefill.tflops == pytest.approx(w.flops() / 1e-3 / 1e12)
+    assert prefill.flops_per_byte == pytest.approx(w.flops() / w.bytes_moved())
+    assert pts.iloc[1].flops_per_byte == pytest.approx(4.0, rel=1e-2), \
+        "GQA 32/8 decode: 4 FLOPs per byte of bf16 KV"
+
+
+def test_a_target_is_met_at_its_threshold_and_never_when_unmeasured():
+    data = {"copy_gbps": 1000.0, "decode": {"auto": {"gbps": 800.0, "us": 1.0}}}
+    score = rl.targets(data).set_index("target")
+    assert score.loc["decode: ours, fraction of copy bandwidth", "met"]
+    assert not score.loc["prefill: ours vs FlexAttention", "met"], "missing data must not pass"
+    assert math.isnan(score.loc["fp8 cache vs bf16 decode (speed ratio)", "measured"])
+
+
+def test_roof_is_bandwidth_bound_left_of_the_ridge_and_flat_right_of_it():
+    pts = rl.roofline_points({"decode": {"auto": {"us": 250.0}}})
+    fig = rl.roofline_figure(pts, copy_gbps=1000.0, matmul_tflops=100.0, title="t")
+    roof = dict(zip(fig.data[0].x, fig.data[0].y))
+    assert roof[100.0] == pytest.approx(100.0), "the ridge sits at matmul / bandwidth"
+    assert min(roof.values()) < 100.0 and max(roof.values()) == pytest.approx(100.0)
+
+
+def test_source_excerpt_numbers_lines_as_in_the_file():
+    text = rl.source_excerpt(rl.source_excerpt, "while hasattr", "obj = obj.fn")
+    first = int(text.split()[0])
+    assert inspect.getsourcelines(rl.source_excerpt)[1] < first
+    assert text.count("\n") == 2 and "obj = obj.fn" in text
+    with pytest.raises(ValueError, match="not in the source"):
+        rl.source_excerpt(rl.source_excerpt, "no such line anywhere")
+
+
+def test_a_failed_benchmark_section_draws_a_note_instead_of_raising():
+    fig = rl.fp8_figure({"fp8": {"error": "RuntimeError: no fp8 on this GPU"}})
+    assert "not measured" in fig.layout.title.text
+    assert "no fp8 on this GPU" in fig.layout.annotations[0].text
