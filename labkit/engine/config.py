@@ -1,0 +1,155 @@
+"""The shape of a Llama-style decoder, read from a Hugging Face style ``config.json``.
+
+Only the fields the model needs are kept; the rest of the file (tokenizer ids, ``use_cache``,
+...) is ignored. Anything that would change the arithmetic and that labkit's model does not
+implement (biases, another activation, scaled RoPE) is refused, so a checkpoint never loads
+into a model that silently computes something else.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "vocab_size", "max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}): each KV head serves a "
+                "whole group of query heads")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                    f"({self.num_attention_heads}); set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) \
+                or self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs of "
+                             f"dimensions), got {self.head_dim!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.torch_dtype not in DTYPES:
+            raise ValueError(f"torch_dtype must be one of {list(DTYPES)}, "
+                             f"got {self.torch_dtype!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.torch_dtype]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        heads = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + heads + h
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelConfig":
+        """From the dict of a Hugging Face ``config.json`` (transformers 4.x or 5.x names)."""
+        _refuse_unsupported(config)
+        optional = ("max_position_embeddings", "num_key_value_heads")  # older files: MHA
+        missing = [n for n in _INT_FIELDS if n not in config and n not in optional]
+        if missing:
+            raise ValueError(f"config.json lacks {missing}: a Llama-style config needs them")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in config.items() if k in known and v is not None}
+        kwargs.setdefault("num_key_value_heads", config["num_attention_heads"])
+        rope = config.get("rope_parameters") or {}
+        if "rope_theta" not in kwargs and "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]  # transformers 5 nests it here
+        dtype = config.get("torch_dtype") or config.get("dtype")  # renamed in transformers 5
+        if dtype is not None:
+            kwargs["torch_dtype"] = str(dtype).removeprefix("torch.")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        """From a ``config.json`` file, or a checkpoint folder holding one."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def to_dict(self) -> dict:
+        """A ``config.json`` that labkit and transformers' ``LlamaForCausalLM`` both read."""
+        out = asdict(self)
+        out.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                   attention_bias=False, mlp_bias=False)
+        return out
+
+    @classmethod
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """Two layers, width 64, GQA (4 query / 2 KV heads): a forward takes milliseconds on CPU."""
+        values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6)
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def bench_1b(cls, **overrides) -> "ModelConfig":
+        """The issue's benchmark model: 16 layers, width 2048, 32 query / 8 KV heads, vocabulary
+        32,000, bf16; about 1.1B parameters."""
+        values = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                      max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      torch_dtype="bfloat16")
+        values.update(overrides)
+        return cls(**values)
+
+
+def _refuse_unsupported(config: dict) -> None:
+    problems = []
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {config['hidden_act']!r} (labkit's MLP is SwiGLU: silu)")
+    for bias in ("attention_bias", "mlp_bias"):
+        if config.get(bias):
+            problems.append(f"{bias}=true (labkit's projections have no bias)")
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        problems.append(f"rope_type {rope_type!r} (only plain RoPE is implemented)")
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        problems.append(f"sliding_window={config['sliding_window']} (attention here is full)")
+    if problems:
+        raise ValueError("this config asks for what labkit's Llama-style model does not "
+                         "compute: " + "; ".join(problems)
+                         + ". Use a Llama-architecture checkpoint or drop these fields.")
