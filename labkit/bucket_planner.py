@@ -117,3 +117,21 @@ def powers_of_two(largest: int) -> tuple[int, ...]:
         if b >= largest:
             return tuple(out)
         b *= 2
+
+
+def padding_by_bucket(batch_sizes: Iterable[int], buckets: Sequence[int]):
+    """Per bucket: how many steps it served, their real rows and the rows padded onto them."""
+    import pandas as pd
+
+    buckets = tuple(sorted(set(buckets)))
+    rows = {b: {"bucket": b, "steps": 0, "real_rows": 0, "padded_rows": 0} for b in buckets}
+    for size, count in Counter(batch_sizes).items():
+        bucket = next((b for b in buckets if b >= size), None)
+        if bucket is not None:
+            r = rows[bucket]
+            r["steps"] += count
+            r["real_rows"] += size * count
+            r["padded_rows"] += (bucket - size) * count
+    table = pd.DataFrame(list(rows.values()))
+    table["waste"] = table.padded_rows / (table.padded_rows + table.real_rows).where(lambda s: s > 0)
+    return table

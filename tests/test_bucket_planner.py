@@ -55,3 +55,12 @@ def test_a_budget_too_small_for_one_graph_says_what_to_change():
 def test_an_empty_trace_is_an_error():
     with pytest.raises(ValueError, match="at least one"):
         plan_buckets([])
+
+
+def test_padding_by_bucket_adds_up_to_the_total():
+    from labkit.bucket_planner import padding_by_bucket
+
+    trace = [1, 3, 3, 5, 8, 8]
+    table = padding_by_bucket(trace, (4, 8))
+    assert list(table.steps) == [3, 3] and list(table.padded_rows) == [3 + 1 + 1, 3]
+    assert table.padded_rows.sum() == padding_waste(trace, (4, 8)).padded_rows
