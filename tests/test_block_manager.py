@@ -291,3 +291,14 @@ def test_a_token_that_is_not_an_int_is_refused_before_anything_changes():
     with pytest.raises(TypeError):
         bm.append_token("a", 1.5)
     assert bm.snapshot() == before
+
+
+def test_cached_prefix_len_looks_up_without_changing_anything():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(10))
+    bm.allocate("a", prompt)
+    bm.free("a")
+    before = (bm.snapshot(), bm.stats)
+    assert bm.cached_prefix_len(prompt) == 8, "two full blocks cached, one token left to compute"
+    assert bm.cached_prefix_len(list(range(3))) == 0
+    assert (bm.snapshot(), bm.stats) == before, "a lookup must not touch counters or LRU order"

@@ -139,6 +139,12 @@ class BlockManager:
         hits, _, _ = self._match(token_ids, extra_key_bytes(extra_key))
         return self._blocks_to_allocate(len(token_ids), hits) <= self._available_after(hits)
 
+    def cached_prefix_len(self, token_ids: Sequence[int], *, extra_key=None) -> int:
+        """Leading tokens of this prompt the prefix cache would serve now (read-only: no
+        counters, no LRU order change). Always leaves at least one token to compute."""
+        hits, _, _ = self._match(token_ids, extra_key_bytes(extra_key))
+        return len(hits) * self.block_size
+
     def snapshot(self) -> tuple:
         """Everything the manager holds, comparable with ``==`` (tests check nothing changed)."""
         seqs = tuple((k, tuple(s.block_table), s.num_tokens, tuple(s.tail), s.last_hash, s.extra)

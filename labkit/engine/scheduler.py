@@ -1,0 +1,302 @@
+"""Continuous batching: which requests run in the next step, and how many tokens of each.
+
+Every step has a token budget (``max_num_batched_tokens``) and a cap on running requests
+(``max_num_seqs``). A step is filled in this order:
+
+1. decodes of running requests (one token each), so they keep their time between tokens;
+2. the next chunk of running requests still in prefill (chunked prefill: a long prompt is
+   spread over several steps instead of stalling everyone else for one long step);
+3. new requests from the waiting queue, first come first served, with their prefix-cache hits
+   skipped: those tokens' KV is already in the cache.
+
+Blocks are taken as tokens are scheduled, never ahead: so a block that the prefix cache can
+find always holds KV that is computed or being computed in this step. (Within a step the runner
+must store every token's KV of a layer before that layer's attention reads the cache.)
+
+When a running request needs a block and none is left, the newest running request is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed (prompt and output so far) when there is room; its full blocks usually stay cached.
+
+Driven by ``step = schedule()``, the runner computes the step, then ``update(step, sampled)``.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import asdict, dataclass
+from operator import index
+from typing import Hashable, Sequence
+
+from labkit.engine.request import Request, ScheduledSeq, ScheduledStep, Status, StepStats
+from labkit.kvcache.block_manager import BlockManager
+
+__all__ = ["Request", "ScheduledSeq", "ScheduledStep", "Scheduler", "SchedulerConfig", "Status",
+           "StepStats", "cached_prefix_len"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64              # running requests at once
+    max_model_len: int = 2048           # prompt + output never goes past this
+    enable_chunked_prefill: bool = True
+    decode_buckets: tuple[int, ...] | None = None  # graph batch sizes, for padded-row stats
+    vocab_size: int | None = None       # if given, prompt token ids are checked against it
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "vocab_size"):
+            value = getattr(self, name)
+            if name == "vocab_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
+                f"{self.max_num_seqs}: a step could not hold one decode per running request; "
+                "raise the budget or lower max_num_seqs")
+        if self.decode_buckets is not None:
+            buckets = tuple(sorted(set(self.decode_buckets)))
+            if not buckets or buckets[0] < 1:
+                raise ValueError(f"decode_buckets must be positive batch sizes, got "
+                                 f"{self.decode_buckets!r}")
+            object.__setattr__(self, "decode_buckets", buckets)
+
+
+def cached_prefix_len(bm: BlockManager, token_ids: Sequence[int]) -> int:
+    """Leading tokens the prefix cache would serve now; changes nothing."""
+    return bm.cached_prefix_len(token_ids) if bm.enable_prefix_caching else 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []   # admission order: the last one is the newest
+        self.history: list[StepStats] = []
+        self._live: dict[Hashable, Request] = {}
+        self._in_flight: ScheduledStep | None = None
+        self._next_step = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], *,
+                    max_tokens: int, eos_token_ids: Sequence[int] = ()) -> Request:
+        """Queue a request. A prompt that can never be served is finished at once with
+        ``Status.FINISHED_ERROR`` and a message; nothing else is affected."""
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already queued or running; use a new id")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        req = Request(request_id, list(prompt_token_ids), max_tokens, frozenset(eos_token_ids))
+        req.error = self._why_unservable(req)
+        if req.error:
+            req.status = Status.FINISHED_ERROR
+            return req
+        self._live[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def _why_unservable(self, req: Request) -> str | None:
+        cfg, n = self.config, len(req.prompt_token_ids)
+        try:
+            req.prompt_token_ids = [index(t) for t in req.prompt_token_ids]
+        except TypeError as e:
+            return f"request {req.request_id!r}: prompt token ids must be ints ({e})"
+        # An id outside the embedding table would fault the device and take the batch with it.
+        limit = cfg.vocab_size or 2**63
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < limit), None)
+        if bad is not None:
+            return (f"request {req.request_id!r}: token id {bad} is outside the vocabulary "
+                    f"[0, {limit}); check the tokenizer matches the model")
+        if n == 0:
+            return f"request {req.request_id!r}: the prompt is empty; give at least one token"
+        if n > cfg.max_model_len:
+            return (f"request {req.request_id!r}: prompt of {n} tokens is longer than "
+                    f"max_model_len={cfg.max_model_len}; shorten it or use a longer context")
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            return (f"request {req.request_id!r}: prompt of {n} tokens exceeds the step budget "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens} with chunked prefill "
+                    "off; enable chunked prefill or raise the budget")
+        # The last sampled token is never fed back, so it needs no KV slot.
+        total = min(n + req.max_tokens, max(cfg.max_model_len, n + 1))
+        bs = self.bm.block_size
+        need = -(-(total - 1) // bs)
+        if need > self.bm.num_blocks:
+            return (f"request {req.request_id!r}: {n} prompt + up to {total - n} output tokens "
+                    f"need {need} blocks of {bs}, the KV cache holds {self.bm.num_blocks}; lower "
+                    "max_tokens, shorten the prompt or give the cache more memory")
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def history_table(self):
+        """Every step's statistics so far, one row per step (a pandas DataFrame)."""
+        import pandas as pd
+
+        return pd.DataFrame([asdict(s) for s in self.history], columns=list(
+            StepStats.__dataclass_fields__))
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduledStep:
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step_id} was scheduled but not updated: "
+                               "call update(step, sampled_token_ids) before the next schedule()")
+        cfg, bm = self.config, self.bm
+        budget = cfg.max_num_batched_tokens
+        rows: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Request] = []
+        scheduled: set[Hashable] = set()
+        starved = False
+
+        def add_row(req: Request, start: int, n: int, is_prefill: bool) -> None:
+            nonlocal budget
+            rows.append(ScheduledSeq(req, start, n, tuple(req.token_ids(start, start + n)),
+                                     is_prefill, start + n == req.num_tokens))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        # 1. decodes, oldest first; the newest running request gives way when blocks run out
+        for req in [r for r in self.running if r.is_decode]:
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            while not bm.can_append(req.request_id):
+                victim = self._victim(req, scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue
+            start = req.num_computed_tokens
+            copies += bm.append_token(req.request_id, req.token_ids(start, start + 1)[0])
+            add_row(req, start, 1, is_prefill=False)
+
+        # 2. running prefills: the next chunk, as large as the budget and free blocks allow
+        for req in [r for r in self.running if not r.is_decode]:
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue
+            while self._room(req) == 0:
+                victim = self._victim(req, scheduled)
+                if victim is req:
+                    break  # only older or already scheduled requests hold the blocks
+                self._preempt(victim)
+                preempted.append(victim)
+            start = req.num_computed_tokens
+            n = min(budget, req.num_tokens - start, self._room(req))
+            if n == 0:
+                starved = True  # waits for decodes to finish; admit nobody meanwhile
+                continue
+            for t in req.token_ids(start, start + n):
+                copies += bm.append_token(req.request_id, t)
+            add_row(req, start, n, is_prefill=True)
+
+        # 3. new (or preempted) requests, first come first served, while nothing is starved
+        hit_tokens = 0
+        while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
+               and not starved and not preempted):
+            req = self.waiting[0]
+            tokens = req.token_ids(0, req.num_tokens)
+            hit = cached_prefix_len(bm, tokens)
+            todo = len(tokens) - hit
+            if not cfg.enable_chunked_prefill and budget < todo <= cfg.max_num_batched_tokens:
+                break  # wait for a step with room for all of it; a recompute that can never
+                # fit (prompt + output past the budget) is chunked, or it would be lost
+            end = hit + min(todo, budget)
+            if not bm.can_allocate(tokens[:end]):
+                break
+            got = bm.allocate(req.request_id, tokens[:end])
+            assert got == hit, f"prefix cache probe said {hit} tokens, allocate served {got}"
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = Status.RUNNING
+            req.num_computed_tokens = req.num_cached_tokens = hit
+            hit_tokens += hit
+            add_row(req, hit, end - hit, is_prefill=True)
+
+        step = ScheduledStep(self._next_step, tuple(rows), tuple(copies),
+                             tuple(r.request_id for r in preempted),
+                             self._stats(rows, hit_tokens, len(preempted)))
+        self._next_step += 1
+        self._in_flight = step
+        self.history.append(step.stats)
+        return step
+
+    def _room(self, req: Request) -> int:
+        """Tokens a running request can still append without preempting anyone."""
+        rid, bs = req.request_id, self.bm.block_size
+        held = len(self.bm.block_table(rid)) * bs - self.bm.num_tokens(rid)
+        return held + self.bm.num_free_blocks * bs
+
+    def _victim(self, requester: Request, scheduled: set) -> Request:
+        """The newest running request newer than ``requester`` and not in this step, else the
+        requester itself. A request already in this step is never taken: its newest blocks may
+        be findable in the prefix cache while their KV is still to be written."""
+        for req in reversed(self.running):
+            if req is requester or req.request_id not in scheduled:
+                return req
+        raise AssertionError("the requester is not running")
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req.request_id)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _stats(self, rows: list[ScheduledSeq], hit_tokens: int, num_preempted: int) -> StepStats:
+        prefill = [r for r in rows if r.is_prefill]
+        decode = [r for r in rows if not r.is_prefill]
+        padded = 0
+        buckets = self.config.decode_buckets
+        if buckets and decode and not prefill:
+            i = bisect.bisect_left(buckets, len(decode))
+            padded = buckets[i] - len(decode) if i < len(buckets) else 0  # too big: eager
+        return StepStats(self._next_step, sum(r.num_tokens for r in prefill), len(decode),
+                         len(prefill), len(decode), padded, hit_tokens, num_preempted,
+                         len(self.running), len(self.waiting))
+
+    # ------------------------------------------------------------------ results
+    def update(self, step: ScheduledStep, sampled_token_ids: Sequence[int]) -> list[Request]:
+        """Record the step as computed and append one sampled token per row that
+        ``needs_logits`` (in row order). Returns the requests that finished."""
+        if step is not self._in_flight:
+            raise RuntimeError(f"update() got step {step.step_id}, but the step in flight is "
+                               f"{None if self._in_flight is None else self._in_flight.step_id}")
+        if hasattr(sampled_token_ids, "tolist"):  # a tensor: one transfer, not one per token
+            sampled_token_ids = sampled_token_ids.tolist()
+        sampled = [index(t) for t in sampled_token_ids]
+        if len(sampled) != step.num_sampled:
+            raise ValueError(f"step {step.step_id} samples {step.num_sampled} token(s), one per "
+                             f"row with needs_logits; got {len(sampled)}")
+        self._in_flight = None
+        finished = []
+        tokens = iter(sampled)
+        for row in step.rows:
+            req = row.request
+            req.num_computed_tokens = row.start + row.num_tokens
+            if not row.needs_logits:
+                continue
+            token = next(tokens)
+            req.output_token_ids.append(token)
+            req.token_steps.append(step.step_id)
+            if token in req.eos_token_ids:
+                self._finish(req, Status.FINISHED_STOPPED)
+            elif (len(req.output_token_ids) >= req.max_tokens
+                  or req.num_tokens >= self.config.max_model_len):
+                self._finish(req, Status.FINISHED_LENGTH)
+            else:
+                continue
+            finished.append(req)
+        return finished
+
+    def _finish(self, req: Request, status: Status) -> None:
+        self.bm.free(req.request_id)
+        self.running.remove(req)
+        del self._live[req.request_id]
+        req.status = status

@@ -1,0 +1,80 @@
+"""The arrays a runner needs for one scheduled step, built from the step and the block tables.
+
+Tokens of all rows are packed one after another (varlen, no padding between rows):
+``cu_seqlens_q`` marks where each row's new tokens start; ``seq_lens`` is how many keys each row
+attends to (its cached context plus its new tokens); ``slot_mapping`` says where each new token's
+K and V are stored; ``block_tables`` lets attention read a row's whole context from the cache.
+Build it after ``schedule()`` and before ``update()``: a request that finishes in ``update``
+gives its blocks back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from labkit.engine.request import ScheduledStep
+from labkit.kvcache.block_manager import BlockManager
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    input_ids: list[int]            # [num_tokens]
+    positions: list[int]            # [num_tokens]
+    slot_mapping: list[int]         # [num_tokens]
+    cu_seqlens_q: list[int]         # [num_rows + 1]
+    seq_lens: list[int]             # [num_rows]
+    block_tables: list[list[int]]   # [num_rows, max_blocks], padded with pad_block
+    logits_indices: list[int]       # [num_sampled] token index whose logits are sampled
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def to_tensors(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """int32 tensors (``slot_mapping`` int64, the store kernel's offsets into big caches)."""
+        def t(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype, device=device)
+        width = max((len(r) for r in self.block_tables), default=0)
+        return {
+            "input_ids": t(self.input_ids, torch.int64), "positions": t(self.positions),
+            "slot_mapping": t(self.slot_mapping, torch.int64), "cu_seqlens_q": t(self.cu_seqlens_q),
+            "seq_lens": t(self.seq_lens),
+            "block_tables": t(self.block_tables).reshape(len(self.block_tables), width),
+            "logits_indices": t(self.logits_indices, torch.int64),
+        }
+
+
+def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
+                        max_blocks_per_seq: int | None = None, pad_block: int = 0
+                        ) -> StepMetadata:
+    """Metadata of ``step`` in row order. ``max_blocks_per_seq`` fixes the block table width
+    (static buffers for graphs); by default it is the longest row's table."""
+    input_ids, positions, slot_mapping = [], [], []
+    cu_seqlens_q, seq_lens, tables, logits_indices = [0], [], [], []
+    for row in step.rows:
+        rid, end = row.request_id, row.start + row.num_tokens
+        if bm.num_tokens(rid) != end:
+            raise ValueError(f"request {rid!r} holds slots for {bm.num_tokens(rid)} tokens, the "
+                             f"step computes up to position {end}: build metadata right after "
+                             "schedule(), before update()")
+        input_ids += row.token_ids
+        positions += row.positions
+        slot_mapping += bm.slots(rid, row.start, end)
+        cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_tokens)
+        seq_lens.append(end)
+        tables.append(bm.block_table(rid))
+        if row.needs_logits:
+            logits_indices.append(cu_seqlens_q[-1] - 1)
+    width = max((len(t) for t in tables), default=0)
+    if max_blocks_per_seq is not None:
+        if width > max_blocks_per_seq:
+            raise ValueError(f"a row holds {width} blocks, more than max_blocks_per_seq="
+                             f"{max_blocks_per_seq}; size it for max_model_len / block_size")
+        width = max_blocks_per_seq
+    tables = [t + [pad_block] * (width - len(t)) for t in tables]
+    return StepMetadata(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables,
+                        logits_indices, max((r.num_tokens for r in step.rows), default=0),
+                        max(seq_lens, default=0))
