@@ -1,3 +1,6 @@
+import os
+import shutil
+
 import labkit  # noqa: F401  (before anything imports triton: interpreter on where there is no GPU)
 import pytest
 import torch
@@ -10,3 +13,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# Debian's chromium, no browser download; background networking off (this machine's network
+# refuses it, and a test must not depend on it).
+CHROMIUM_FLAGS = ["--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                  "--disable-background-networking", "--disable-component-update"]
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """One headless Chromium for the browser and handout tests (fails in CI if missing)."""
+    if CHROMIUM is None:
+        message = "chromium is not installed: `make test` installs it (apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message + "; CI always runs this test")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()

@@ -3,11 +3,9 @@
 For each notebook (a copy with QUICK=True injected as papermill would), the test opens it in
 JupyterLab, runs all cells, and checks in the page: no cell raised, the last (asserting) cell
 ran, every plotly figure drew an SVG, no widget shows an error view. A screenshot of each goes
-to test-results/browser/. Uses Debian's chromium through Playwright (no browser download).
+to test-results/browser/. Uses the shared `chromium` fixture (tests/conftest.py).
 """
 import json
-import os
-import shutil
 from pathlib import Path
 
 import nbformat
@@ -18,7 +16,6 @@ from papermill.parameterize import parameterize_notebook
 from labkit import lab_server
 from labkit.run_notebooks import lab_metadata, notebooks
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SHOTS = Path(__file__).resolve().parent.parent / "test-results" / "browser"
 NOTEBOOKS = notebooks()
 pytestmark = pytest.mark.browser
@@ -60,22 +57,11 @@ def quick_copies(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser_page(quick_copies):
-    if CHROMIUM is None:
-        message = "chromium is not installed: `make test` installs it (apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message + "; CI always runs this test")
-    from playwright.sync_api import sync_playwright
-
-    with lab_server.running_lab(quick_copies, expose_app=True, windowed=False) as lab, sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                  "--disable-background-networking", "--disable-component-update"])
-        page = browser.new_page(viewport={"width": 1280, "height": 1600})
+def browser_page(quick_copies, chromium):
+    with lab_server.running_lab(quick_copies, expose_app=True, windowed=False) as lab:
+        page = chromium.new_page(viewport={"width": 1280, "height": 1600})
         yield lab, page
-        browser.close()
+        page.close()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -6,7 +6,6 @@ state. Pages are opened in Debian's chromium through Playwright, offline, with e
 that is not a local file aborted and recorded.
 """
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -16,9 +15,6 @@ from labkit import handouts
 from labkit.device import describe, fingerprint
 from labkit.run_notebooks import PLOTLY_MIME, lab_metadata, notebooks
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = ["--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                  "--disable-background-networking", "--disable-component-update"]
 TOUR = next(p for p in notebooks() if p.stem.startswith("00_"))
 
 PAGE_CHECKS = """() => ({
@@ -74,45 +70,36 @@ def widget_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline_page():
-    if CHROMIUM is None:
-        message = "chromium is not installed: `make test` installs it (apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message + "; CI always runs this test")
-    from playwright.sync_api import sync_playwright
+def offline_page(chromium):
+    context = chromium.new_context(offline=True, viewport={"width": 1200, "height": 1400})
+    requested = []
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
-        context = browser.new_context(offline=True, viewport={"width": 1200, "height": 1400})
-        requested = []
+    def local_only(route):
+        if route.request.url.startswith("file:"):
+            route.continue_()
+        else:
+            requested.append(route.request.url)
+            route.abort()
 
-        def local_only(route):
-            if route.request.url.startswith("file:"):
-                route.continue_()
-            else:
-                requested.append(route.request.url)
-                route.abort()
+    context.route("**/*", local_only)
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
 
-        context.route("**/*", local_only)
-        page = context.new_page()
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+    def open_page(path: Path) -> dict:
+        requested.clear()
+        errors.clear()
+        page.goto(path.as_uri(), wait_until="load")
+        try:  # plotly draws right after its script runs; give a slow runner a moment
+            page.wait_for_function(
+                "[...document.querySelectorAll('.labkit-figure')].every(d => d.querySelector('svg.main-svg'))",
+                timeout=15_000)
+        except Exception:
+            pass  # the assertions below say what is missing
+        return {**page.evaluate(PAGE_CHECKS), "requested": list(requested), "errors": list(errors)}
 
-        def open_page(path: Path) -> dict:
-            requested.clear()
-            errors.clear()
-            page.goto(path.as_uri(), wait_until="load")
-            try:  # plotly draws right after its script runs; give a slow runner a moment
-                page.wait_for_function(
-                    "[...document.querySelectorAll('.labkit-figure')].every(d => d.querySelector('svg.main-svg'))",
-                    timeout=15_000)
-            except Exception:
-                pass  # the assertions below say what is missing
-            return {**page.evaluate(PAGE_CHECKS), "requested": list(requested), "errors": list(errors)}
-
-        yield page, open_page
-        browser.close()
+    yield page, open_page
+    context.close()
 
 
 def test_every_figure_on_a_handout_draws_with_the_network_off(tour, offline_page):
