@@ -1,0 +1,278 @@
+"""The model runner: one scheduled step in, the logits of its sampled rows out.
+
+For each step it
+1. applies the step's copy-on-write block copies to the KV cache;
+2. builds the step's metadata (token ids, positions, slot_mapping, cu_seqlens_q, seq_lens,
+   block_tables, logits_indices) into ONE int32 host buffer, pinned on a GPU, and copies it to
+   the device in one transfer on a copy stream (the compute stream waits on its event);
+3. runs the model with an attention function that, in every layer, first stores the step's
+   new K/V into their slots and then runs the selected backend's paged attention over the
+   cache: so a row reads its cached context and its own new tokens alike;
+4. returns the logits of the rows that sample (``logits_indices``), nothing else.
+
+Decode-only steps on a GPU replay a CUDA Graph from a :class:`~labkit.graphs.GraphPool`,
+padded to their batch bucket: every row there is one token, so the shapes depend only on the
+batch. Padding rows carry -1 everywhere: slot -1 is never written (``store_kv``), and their
+outputs are dropped. On CPU, or with ``enforce_eager=True``, every step runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from itertools import chain
+
+import torch
+import torch.nn.functional as F
+
+from labkit.attention import (BACKENDS, PRIORITY, AttentionSpec, Backend, BackendUnavailable,
+                              reasons_against, select_backend, selection_lines)
+from labkit.engine.model import LlamaModel
+from labkit.engine.request import ScheduledStep
+from labkit.engine.step_metadata import StepMetadata, build_step_metadata
+from labkit.graphs import DEFAULT_BUCKETS, GraphPool
+from labkit.kvcache import BlockManager, KVCacheShape, PagedKVCache, tokens_that_fit
+
+log = logging.getLogger("labkit.engine")
+
+PAD = -1  # graph padding rows: slot -1 is skipped by store_kv; ids and lengths are clamped to 0
+# Why auto selection passes over a backend on CPU even though it would compute the right thing.
+CPU_SLOW = {
+    "triton": "hardware: on CPU its kernels run in Triton's interpreter (about 0.1 s a call); "
+              "force backend='triton' to run them anyway",
+    "flex": "hardware: on CPU flex_attention runs uncompiled and builds its mask every call "
+            "(slow); force backend='flex' to run it anyway",
+}
+
+
+def choose_backend(spec: AttentionSpec, backend: str = "auto") -> tuple[Backend, list[str]]:
+    """The attention backend for ``spec`` and the log of the choice (chosen, then passed over).
+
+    ``backend="auto"`` takes the first backend of ``PRIORITY`` with no reason against it; on CPU
+    the interpreted and uncompiled ones are passed over too (``CPU_SLOW``). A named backend is
+    forced, and refused with every reason when it cannot serve the spec.
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; known: "
+                         f"{['auto', *BACKENDS]}")
+    if backend != "auto":
+        try:
+            chosen, passed = select_backend(spec, prefer=backend)
+        except BackendUnavailable as e:
+            hint = "" if spec.cuda_graph == "none" else (
+                "\nOr pass enforce_eager=True: without CUDA Graphs this backend may qualify.")
+            message = str(e).replace("Drop prefer= to let auto selection choose",
+                                     "Pass backend='auto' to let selection choose")
+            raise BackendUnavailable(message + hint, e.reasons) from None
+        return chosen, selection_lines(chosen.name, passed, forced=True, spec=spec)
+    if spec.device != "cpu":
+        chosen, passed = select_backend(spec)
+        return chosen, selection_lines(chosen.name, passed, forced=False, spec=spec)
+    reasons = {n: reasons_against(BACKENDS[n], spec) + ([CPU_SLOW[n]] if n in CPU_SLOW else [])
+               for n in PRIORITY}
+    name = next((n for n in PRIORITY if not reasons[n]), None)
+    if name is None:
+        raise BackendUnavailable(f"no attention backend can serve {spec}:\n" + "\n".join(
+            f"  {n}: {'; '.join(r)}" for n, r in reasons.items()), reasons)
+    passed = {n: reasons[n] or [f"compatible, but after {name!r} in the priority order"]
+              for n in PRIORITY if n != name}
+    return BACKENDS[name], selection_lines(name, passed, forced=False, spec=spec)
+
+
+@dataclass(frozen=True)
+class DeviceMetadata:
+    """A step's metadata on the device: int32 views of one transferred buffer."""
+    input_ids: torch.Tensor       # [num_tokens]
+    positions: torch.Tensor       # [num_tokens]
+    slot_mapping: torch.Tensor    # [num_tokens]
+    cu_seqlens_q: torch.Tensor    # [num_rows + 1]
+    seq_lens: torch.Tensor        # [num_rows]
+    block_tables: torch.Tensor    # [num_rows, max_blocks]
+    logits_indices: torch.Tensor  # [num_sampled]
+
+
+def decode_inputs(md: DeviceMetadata) -> tuple[torch.Tensor, ...]:
+    """What a decode graph reads, each with the batch in dim 0 (cu_seqlens_q and
+    logits_indices of a decode batch are both 0..B, so the graph makes them itself)."""
+    return md.input_ids, md.positions, md.slot_mapping, md.block_tables, md.seq_lens
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: torch.Tensor          # [num_sampled, vocab], rows in step order
+    graph_batch: int | None       # the bucket a decode step replayed, None when eager
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, *, num_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 64,
+                 backend: str = "auto", enforce_eager: bool = False,
+                 decode_buckets: tuple[int, ...] | None = None):
+        c = model.config
+        self.model = model
+        self.device = model.embed_tokens.device
+        self.dtype = model.embed_tokens.dtype
+        self.max_model_len = max_model_len or c.max_position_embeddings
+        if self.max_model_len > c.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is past the model's context "
+                             f"of {c.max_position_embeddings} tokens (max_position_embeddings); "
+                             "lower it")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
+                or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two (16 is usual; the triton "
+                             f"backend takes 16 to 256), got {block_size!r}")
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.spec = AttentionSpec.here(
+            num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, dtype=self.dtype, block_size=block_size, mixed_batch=True,
+            cuda_graph="uniform_decode" if self.use_graphs else "none")
+        if self.spec.device != self.device.type:
+            self.spec = replace(self.spec, device=self.device.type, compute_capability=None)
+        self.backend, self.selection_log = choose_backend(self.spec, backend)
+        for line in self.selection_log:  # once per runner: the choice and why not the others
+            log.info(line)
+        self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
+        # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
+        # only where the Triton backend is asked for (the whole Triton path, end to end).
+        self.store_kernel = self.device.type == "cuda" or self.backend.name == "triton"
+        self.staging = None
+        if self.device.type == "cuda":
+            from labkit.staging import PinnedStagingPool
+            self.staging = PinnedStagingPool(num_buffers=2, device=self.device)
+        self.decode_buckets: tuple[int, ...] | None = None
+        self.graphs: GraphPool | None = None
+        buckets = tuple(sorted(set(decode_buckets or (
+            *[b for b in DEFAULT_BUCKETS if b < max_num_seqs], max_num_seqs))))
+        # cu_seqlens_q of a decode batch is 0, 1, ..., B: one constant, sliced per bucket.
+        self._cu_arange = torch.arange(max(buckets[-1], max_num_seqs) + 1, dtype=torch.int32,
+                                       device=self.device)
+        if self.use_graphs:
+            self.decode_buckets = buckets
+            self._capture_decode_graphs()
+
+    # ------------------------------------------------------------------ KV cache
+    def _make_cache(self, num_blocks, kv_cache_memory, block_size, max_num_seqs) -> PagedKVCache:
+        c = self.model.config
+        shape = KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise ValueError(f"give num_blocks ({num_blocks}) or kv_cache_memory "
+                             f"({kv_cache_memory:,} bytes), not both")
+        if kv_cache_memory is not None:
+            if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) \
+                    or kv_cache_memory < 1:
+                raise ValueError(f"kv_cache_memory must be a positive number of bytes, got "
+                                 f"{kv_cache_memory!r}")
+            num_blocks = tokens_that_fit(shape, kv_cache_memory, block_size) // block_size
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory={kv_cache_memory:,} bytes holds no block of "
+                                 f"{block_size} tokens at {shape.bytes_per_token:,} bytes per "
+                                 "token; give more memory")
+        elif num_blocks is None:
+            # Enough for every running request at full length, and on a GPU at most half of
+            # the memory still free once the model is loaded.
+            num_blocks = max_num_seqs * self.max_blocks_per_seq
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                per_block = shape.bytes_per_token * block_size
+                num_blocks = max(1, min(num_blocks, free // 2 // per_block))
+        if isinstance(num_blocks, int) and num_blocks * block_size >= 2**31:
+            raise ValueError(f"{num_blocks} blocks of {block_size} is more slots than the int32 "
+                             "slot_mapping addresses; use fewer blocks")
+        return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_blocks,
+                            block_size, self.dtype, self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    # ------------------------------------------------------------------ metadata
+    def to_device(self, md: StepMetadata) -> DeviceMetadata:
+        """One int32 buffer, one host-to-device copy; the compute stream waits on its event."""
+        width = len(md.block_tables[0]) if md.block_tables else 0
+        parts = (md.input_ids, md.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
+                 list(chain.from_iterable(md.block_tables)), md.logits_indices)
+        flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int32)
+        if self.staging is None:
+            buf = flat
+        else:
+            host = self.staging.stage(flat.shape, torch.int32)
+            host.copy_(flat)
+            buf = self.staging.submit().wait()
+        ids, pos, slots, cu, lens, tables, logits_idx = buf.split([len(p) for p in parts])
+        return DeviceMetadata(ids, pos, slots, cu, lens, tables.view(len(md.seq_lens), width),
+                              logits_idx)
+
+    # ------------------------------------------------------------------ forward
+    def _paged_kwargs(self, max_query_len: int) -> dict:
+        if self.backend.name == "triton":  # no host sync: the runner built the metadata itself
+            return {"check": False, "max_query_len": max_query_len}
+        return {}
+
+    def _attention(self, md: DeviceMetadata, max_query_len: int):
+        cache, paged = self.cache, self.backend.paged
+        kwargs = self._paged_kwargs(max_query_len)
+
+        def attention(layer, q, k, v):
+            # Every new token's K/V goes in before any row reads: a prefix hit admitted in this
+            # step may read blocks that another row of the same step is writing.
+            cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel)
+            out = paged(q, cache.key_cache(layer), cache.value_cache(layer), md.block_tables,
+                        md.cu_seqlens_q, md.seq_lens, **kwargs)
+            return out.to(q.dtype)
+        return attention
+
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep, bm: BlockManager) -> StepOutput:
+        """Runs ``step`` (call it after ``schedule()``, before ``update()``)."""
+        self.cache.copy_blocks(list(step.block_copies))
+        if not step.rows:
+            vocab = self.model.config.vocab_size
+            return StepOutput(torch.empty(0, vocab, device=self.device), None)
+        graph_batch = None
+        if self.graphs is not None and step.is_decode_only:
+            key = self.graphs.key_for(len(step.rows))
+            graph_batch = key[0] if key is not None else None
+        md = build_step_metadata(step, bm)
+        dev = self.to_device(md)
+        if graph_batch is not None:
+            # The graph reads block tables of one fixed width; only the used columns cross the
+            # bus, the rest is padded on the device.
+            tables = F.pad(dev.block_tables,
+                           (0, self.max_blocks_per_seq - dev.block_tables.shape[1]))
+            # Every decode row samples, so the graph's logits are already in row order.
+            logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)))
+            return StepOutput(logits, graph_batch)
+        hidden = self.model.hidden_states(dev.input_ids, dev.positions,
+                                          self._attention(dev, md.max_seqlen_q))
+        return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
+
+    # ------------------------------------------------------------------ CUDA Graphs
+    def decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+        """One decode token per row: [B] x 3, [B, max_blocks], [B] -> logits [B, vocab].
+
+        What each graph captures (once per bucket): nothing here may read a value back to the
+        host, and rows of PAD (-1) are computed but write no slot and are dropped.
+        """
+        batch = input_ids.shape[0]
+        md = DeviceMetadata(input_ids.clamp(min=0), positions.clamp(min=0), slot_mapping,
+                            self._cu_arange[:batch + 1], seq_lens.clamp(min=0), block_tables,
+                            self._cu_arange[:batch])
+        hidden = self.model.hidden_states(md.input_ids, md.positions, self._attention(md, 1))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        self.graphs = GraphPool(self.decode_forward, self.decode_buckets, pad_value=PAD)
+        row = torch.full((1,), PAD, dtype=torch.int32, device=self.device)
+        table = torch.full((1, self.max_blocks_per_seq), PAD, dtype=torch.int32,
+                           device=self.device)
+        # All-padding example rows: warm-up and capture write no slot of the cache.
+        self.graphs.capture(row, row.clone(), row.clone(), table, row.clone())
+        log.info(f"captured {len(self.decode_buckets)} decode graphs (batch buckets "
+                 f"{list(self.decode_buckets)}) in {self.graphs.stats.capture_ms:.0f} ms")
