@@ -1,0 +1,402 @@
+"""labkit's engine against Hugging Face transformers on the same weights, in the same run.
+
+    python benchmarks/engine.py --out results/            # the issue's workload on a GPU
+    python benchmarks/engine.py --out /tmp/q --quick      # tiny model, seconds on a CPU
+
+Workload (fixed seed): a random-weight Llama (``ModelConfig.bench_1b``, bf16), 256 requests,
+prompts of 64..2048 random token ids, 32..512 output tokens each; stop tokens are ignored, so
+every request produces exactly its output length. Sections, each run even if another failed:
+
+1. ``labkit``: ``LLM.generate`` over all requests at once (CUDA Graphs on)
+2. ``labkit_eager``: the same with ``enforce_eager=True``
+3. ``prefix_cached`` / ``prefix_uncached``: every prompt behind one shared 1,024-token system
+   prompt, prefix caching on and off (hit rate and throughput gain)
+4. ``transformers``: ``LlamaForCausalLM.generate`` loaded from the same safetensors, static
+   cache, decode forward under ``torch.compile``, batches of requests with similar prompt
+   lengths, left padding, greedy, ``max_new_tokens`` = the batch's longest output. Only each
+   request's own output tokens count as useful.
+
+Throughput is output tokens / wall time; warm-up (kernel JIT, graph capture, compilation) runs
+before the clock starts, for both. TTFT is from the moment all requests are handed over.
+``--quick`` (and any run without CUDA): ``ModelConfig.tiny()``, 8 short requests, float32.
+``record()`` returns the results dict for ``make record``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import labkit  # noqa: F401  (device set-up before anything imports triton)
+from labkit.device import describe, fingerprint
+from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
+
+SECTIONS = ("labkit", "labkit_eager", "prefix_cached", "prefix_uncached", "transformers")
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int = 256
+    prompt_lens: tuple[int, int] = (64, 2048)      # inclusive range
+    output_lens: tuple[int, int] = (32, 512)
+    system_prompt_len: int = 1024
+    dtype: str = "bfloat16"
+    quick: bool = False
+    seed: int = 0
+    init_std: float = 0.02
+    hf_batch_size: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self):
+        for name in ("prompt_lens", "output_lens"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
+        if self.num_requests < 1 or self.hf_batch_size < 1:
+            raise ValueError(f"num_requests ({self.num_requests}) and hf_batch_size "
+                             f"({self.hf_batch_size}) must be positive")
+
+    @classmethod
+    def small(cls) -> "Workload":
+        # A wide init keeps greedy argmaxes far from ties, so labkit and transformers must agree
+        # token for token (the benchmark's own correctness guard).
+        return cls(num_requests=8, prompt_lens=(4, 24), output_lens=(2, 8), system_prompt_len=32,
+                   dtype="float32", quick=True, init_std=0.2, hf_batch_size=4,
+                   max_num_seqs=8, max_num_batched_tokens=256)
+
+    @property
+    def config(self) -> ModelConfig:
+        return ModelConfig.tiny() if self.quick else ModelConfig.bench_1b()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def requests(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """(prompts, output lengths, system prompt), the same for every run of this workload."""
+        g = torch.Generator().manual_seed(self.seed)
+        vocab = self.config.vocab_size
+        plens = torch.randint(self.prompt_lens[0], self.prompt_lens[1] + 1, (self.num_requests,),
+                              generator=g).tolist()
+        olens = torch.randint(self.output_lens[0], self.output_lens[1] + 1, (self.num_requests,),
+                              generator=g).tolist()
+        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in plens]
+        system = torch.randint(0, vocab, (self.system_prompt_len,), generator=g).tolist()
+        return prompts, olens, system
+
+
+def _median_ms(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values) * 1e3, 3) if values else None
+
+
+def _summary(tokens: int, seconds: float, ttfts, tpots, **extra) -> dict:
+    return {"output_tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "ttft_median_ms": _median_ms(ttfts), "tpot_median_ms": _median_ms(tpots), **extra}
+
+
+def _release():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- labkit -----------------------------------------------------------------------------------
+
+def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
+               enable_prefix_caching=True) -> tuple[dict, list[list[int]]]:
+    llm = LLM(model, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+              max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
+              max_model_len=min(wl.config.max_position_embeddings,
+                                wl.system_prompt_len + wl.prompt_lens[1] + wl.output_lens[1]))
+    try:
+        # Warm-up on prompts unrelated to the workload's (no prefix hits carried over): the
+        # kernels' JIT and first launches stay off the clock.
+        # Several lengths at once, so prefill chunks, mixed steps and decode batches all run.
+        g = torch.Generator().manual_seed(wl.seed + 1)
+        lo, hi = wl.prompt_lens
+        warm = [torch.randint(0, wl.config.vocab_size, (lo + (hi - lo) * k // 11,),
+                              generator=g).tolist() for k in range(12)]
+        llm.generate(warm, SamplingParams(max_tokens=6))
+        before = llm.stats
+        params = [SamplingParams(max_tokens=n) for n in olens]  # greedy, no stop tokens
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize(llm.device)
+        seconds = time.perf_counter() - t0
+        errors = [f"request {o.index}: {o.error}" for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+        after = llm.stats
+        hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+        admitted = hits + after.prefill_tokens - before.prefill_tokens
+        return _summary(
+            sum(len(o.token_ids) for o in outs), seconds, [o.ttft_s for o in outs],
+            [o.tpot_s for o in outs], backend=llm.backend,
+            graph_steps=after.num_graph_steps - before.num_graph_steps,
+            steps=after.num_steps - before.num_steps,
+            preemptions=after.preemptions - before.preemptions,
+            prefix_hit_rate=round(hits / admitted, 4) if admitted else 0.0), \
+            [o.token_ids for o in outs]
+    finally:
+        del llm
+        _release()
+
+
+# --- transformers -----------------------------------------------------------------------------
+
+class _StepClock:
+    """A stopping criterion that never stops (or stops after ``stop_after`` tokens, for warm-up)
+    and notes when each generated token exists: transformers calls it once per token."""
+
+    def __init__(self, device, stop_after: int | None = None):
+        self.device, self.stop_after, self.times = device, stop_after, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        done = self.stop_after is not None and len(self.times) >= self.stop_after
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def _forget_static_cache(hf) -> None:
+    """transformers keeps the largest static cache (or its length) of earlier calls to avoid a
+    recompile; each batch here gets a cache sized to itself, as a batch run alone would."""
+    for name in ("_cache", "_previous_max_cache_length"):
+        if hasattr(hf, name):
+            delattr(hf, name)
+
+
+def load_transformers(path, device, dtype, compile_forward: bool):
+    import transformers
+    from packaging.version import Version
+
+    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", **{dtype_kw: dtype}).to(device).eval()
+    gc_ = hf.generation_config
+    gc_.cache_implementation = "static"
+    gc_.eos_token_id, gc_.pad_token_id = None, 0
+    if not compile_forward:
+        gc_.disable_compile = True
+        how = "off (CPU or --quick)"
+    elif hasattr(hf, "_valid_auto_compile_criteria"):
+        # generate() itself compiles the decode forward over a static cache (CompileConfig,
+        # mode reduce-overhead); the prefill of each batch stays eager, as its shape varies.
+        how = f"transformers {transformers.__version__} auto-compile of the decode forward"
+    else:
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        how = f"torch.compile(model.forward) (transformers {transformers.__version__})"
+    return hf, how
+
+
+def hf_batches(prompts, batch_size) -> list[list[int]]:
+    """Request indices grouped by similar prompt length (so little left padding)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+
+
+def _hf_generate(hf, prompts, max_new, clock):
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):  # left padding: every row's last token is at the end
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    _forget_static_cache(hf)
+    with torch.no_grad():
+        out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), do_sample=False,
+                          max_new_tokens=max_new,
+                          stopping_criteria=[clock], eos_token_id=None, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+def run_transformers(path, prompts, olens, wl: Workload, device) -> tuple[dict, list[list[int]]]:
+    compile_forward = device.type == "cuda" and not wl.quick
+    hf, how = load_transformers(path, device, wl.torch_dtype, compile_forward)
+    print(f"  transformers: static cache, compile {how}, batches of {wl.hf_batch_size}")
+    try:
+        batches = hf_batches(prompts, wl.hf_batch_size)
+        if compile_forward:  # one compiled decode graph per batch shape, none left eager
+            import torch._dynamo
+            limit = getattr(torch._dynamo.config, "recompile_limit", None)
+            name = "recompile_limit" if limit is not None else "cache_size_limit"
+            setattr(torch._dynamo.config, name,
+                    max(getattr(torch._dynamo.config, name), 2 * len(batches) + 8))
+        for b in batches:  # compile for each batch's cache shape, off the clock
+            _hf_generate(hf, [prompts[i] for i in b], max(olens[i] for i in b),
+                         _StepClock(device, stop_after=5))
+        tokens: list[list[int] | None] = [None] * len(prompts)
+        ttfts, tpots = [None] * len(prompts), [None] * len(prompts)
+        wasted, batch_seconds = 0, []
+        t0 = time.perf_counter()
+        for b in batches:
+            clock = _StepClock(device)
+            start = time.perf_counter()
+            max_new = max(olens[i] for i in b)
+            out = _hf_generate(hf, [prompts[i] for i in b], max_new, clock)
+            for row, i in enumerate(b):  # only the request's own tokens are useful
+                n = olens[i]
+                tokens[i] = out[row][:n]
+                ttfts[i] = clock.times[0] - t0
+                tpots[i] = (clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 else None
+            wasted += sum(max_new - olens[i] for i in b)
+            batch_seconds.append(round(time.perf_counter() - start, 4))  # one slow batch: a recompile
+        seconds = time.perf_counter() - t0
+        short = [i for i, t in enumerate(tokens) if len(t) != olens[i]]
+        if short:
+            raise RuntimeError(f"transformers produced the wrong number of tokens for requests "
+                               f"{short[:5]}")
+        return _summary(sum(map(len, tokens)), seconds, ttfts, tpots, compile=how,
+                        batches=len(batches), wasted_tokens=wasted,
+                        batch_seconds=batch_seconds), tokens
+    finally:
+        del hf
+        _release()
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+def _section(results, name, fn):
+    try:
+        summary, tokens = fn()
+        results["sections"][name] = summary
+        return tokens
+    except Exception as exc:  # noqa: BLE001  (a failed section is reported; the rest go on)
+        print(f"  {name}: FAILED ({type(exc).__name__}: {str(exc)[:300]})")
+        results["sections"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        _release()
+        return None
+
+
+def _ratio(results, a, b) -> float | None:
+    sa, sb = results["sections"].get(a, {}), results["sections"].get(b, {})
+    if sa.get("tokens_per_s") and sb.get("tokens_per_s"):
+        return sa["tokens_per_s"] / sb["tokens_per_s"]
+    return None
+
+
+def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | None = None
+        ) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if workload is None:
+        workload = Workload.small() if quick or device.type != "cuda" else Workload()
+    wl = workload
+    print(describe())
+    if device.type != "cuda" and not quick:
+        print("no CUDA device: running the quick workload (tiny model, float32)")
+    if wl.quick:
+        print("quick mode: tiny model, float32, transformers without torch.compile")
+    prompts, olens, system = wl.requests()
+    requested = sum(olens)
+    results = {"workload": {**asdict(wl), "config": wl.config.to_dict(),
+                            "requested_output_tokens": requested,
+                            "prompt_tokens": sum(map(len, prompts))},
+               "device": device.type, "fingerprint": fingerprint(), "sections": {}}
+    print(f"{wl.num_requests} requests, {sum(map(len, prompts)):,} prompt tokens, "
+          f"{requested:,} output tokens, {wl.config.num_parameters() / 1e9:.2f}B parameters, "
+          f"{wl.dtype}")
+    model = random_model(wl.config, seed=wl.seed, device=device, dtype=wl.torch_dtype,
+                         std=wl.init_std)
+    ours = _section(results, "labkit", lambda: run_labkit(model, prompts, olens, wl))
+    _section(results, "labkit_eager",
+             lambda: run_labkit(model, prompts, olens, wl, enforce_eager=True))
+    shared = [system + p for p in prompts]
+    _section(results, "prefix_cached", lambda: run_labkit(model, shared, olens, wl))
+    _section(results, "prefix_uncached",
+             lambda: run_labkit(model, shared, olens, wl, enable_prefix_caching=False))
+    with tempfile.TemporaryDirectory(prefix="labkit_bench_") as tmp:
+        theirs = None
+        try:
+            save_weights(model, tmp)
+            del model
+            _release()
+            theirs = _section(results, "transformers",
+                              lambda: run_transformers(tmp, prompts, olens, wl, device))
+        except Exception as exc:  # noqa: BLE001
+            results["sections"]["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"  transformers: FAILED ({type(exc).__name__}: {exc})")
+    results["ratio_vs_transformers"] = _ratio(results, "labkit", "transformers")
+    results["graphs_gain"] = _ratio(results, "labkit", "labkit_eager")
+    results["prefix_gain"] = _ratio(results, "prefix_cached", "prefix_uncached")
+    if ours is not None and theirs is not None:
+        same = sum(a == b for a, b in zip(ours, theirs))
+        results["greedy_agreement"] = {"requests": len(ours), "identical": same}
+    _report(results, wl)
+    if out_dir is not None:
+        _write(results, Path(out_dir))
+    return results
+
+
+def _report(results, wl: Workload) -> None:
+    print(f"{'section':<17}{'tokens':>9}{'seconds':>10}{'tok/s':>11}{'TTFT ms':>10}"
+          f"{'TPOT ms':>10}")
+    for name in SECTIONS:
+        s = results["sections"][name]
+        if "error" in s:
+            print(f"{name:<17} FAILED: {s['error'][:200]}")
+            continue
+        print(f"{name:<17}{s['output_tokens']:>9,}{s['seconds']:>10.2f}{s['tokens_per_s']:>11,.0f}"
+              f"{s['ttft_median_ms'] or float('nan'):>10.1f}"
+              f"{s['tpot_median_ms'] or float('nan'):>10.2f}")
+    ratio = results["ratio_vs_transformers"]
+    if ratio is not None:
+        verdict = "meets" if ratio >= 2 else "misses"
+        print(f"labkit / transformers: {ratio:.2f}x ({verdict} the 2x target"
+              f"{'; quick mode: not the target workload' if wl.quick else ''})")
+    if results["graphs_gain"] is not None:
+        print(f"CUDA Graphs on / off: {results['graphs_gain']:.2f}x")
+    if results["prefix_gain"] is not None:
+        hit = results["sections"]["prefix_cached"]["prefix_hit_rate"]
+        print(f"shared {wl.system_prompt_len}-token system prompt: prefix hit rate {hit:.1%}, "
+              f"caching on / off {results['prefix_gain']:.2f}x")
+    if "greedy_agreement" in results:
+        g = results["greedy_agreement"]
+        print(f"greedy outputs identical to transformers: {g['identical']}/{g['requests']}"
+              f"{'' if wl.quick else ' (bf16 rounding may flip near-ties on random weights)'}")
+
+
+def _write(results, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cols = ["section", "output_tokens", "seconds", "tokens_per_s", "ttft_median_ms",
+            "tpot_median_ms", "prefix_hit_rate", "error"]
+    with open(out_dir / "engine.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        writer.writeheader()
+        for name in SECTIONS:
+            writer.writerow({"section": name, **results["sections"][name]})
+    (out_dir / "engine.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"wrote {out_dir / 'engine.csv'} and {out_dir / 'engine.json'}")
+
+
+def record() -> dict:
+    """For ``make record``: the full workload on this GPU, as plain data."""
+    return run(None)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="folder for the CSV and JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, 8 short requests, float32 (automatic without CUDA)")
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help="requests per transformers generate() call (default 64)")
+    args = parser.parse_args()
+    wl = None
+    if args.hf_batch_size is not None:
+        base = Workload.small() if args.quick or not torch.cuda.is_available() else Workload()
+        wl = Workload(**{**asdict(base), "hf_batch_size": args.hf_batch_size})
+    run(args.out, quick=args.quick, workload=wl)

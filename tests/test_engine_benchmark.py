@@ -1,0 +1,122 @@
+"""benchmarks/engine.py's quick path, run in-process: the benchmark measures what it claims.
+
+Every section is there, each counted exactly the output tokens the workload asked for, the
+transformers peer generated the same greedy tokens as labkit (so both did the same work), and
+the printed ratios are the measured throughputs divided. One run serves every test.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmarks_engine",
+                                                  ROOT / "benchmarks" / "engine.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_benchmark()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine_bench")
+    return bench.run(out, quick=True), out
+
+
+def test_every_section_ran_without_error(quick):
+    results, _ = quick
+    assert set(results["sections"]) == set(bench.SECTIONS)
+    failed = {k: v["error"] for k, v in results["sections"].items() if "error" in v}
+    assert not failed, f"sections failed on the quick path: {failed}"
+
+
+def test_each_section_counts_exactly_the_requested_output_tokens(quick):
+    results, _ = quick
+    _, olens, _ = bench.Workload.small().requests()
+    assert results["workload"]["requested_output_tokens"] == sum(olens)
+    for name, s in results["sections"].items():
+        assert s["output_tokens"] == sum(olens), (
+            f"{name} counted {s['output_tokens']} output tokens, the workload asks for "
+            f"{sum(olens)}: padding or early stops were counted, or requests were lost")
+
+
+def test_transformers_generates_labkits_greedy_tokens(quick):
+    results, _ = quick
+    agreement = results["greedy_agreement"]
+    assert agreement == {"requests": 8, "identical": 8}, (
+        f"labkit and transformers disagree on {8 - agreement['identical']} of 8 requests: the "
+        "peer does different work (padding, positions or weights differ), so its speed is no "
+        "comparison")
+
+
+def test_ratios_are_the_measured_throughputs_divided(quick):
+    results, _ = quick
+    s = results["sections"]
+    for name, sec in s.items():
+        assert sec["seconds"] > 0 and sec["tokens_per_s"] == pytest.approx(
+            sec["output_tokens"] / sec["seconds"]), name
+    assert results["ratio_vs_transformers"] == pytest.approx(
+        s["labkit"]["tokens_per_s"] / s["transformers"]["tokens_per_s"])
+    assert results["graphs_gain"] == pytest.approx(
+        s["labkit"]["tokens_per_s"] / s["labkit_eager"]["tokens_per_s"])
+    assert results["prefix_gain"] == pytest.approx(
+        s["prefix_cached"]["tokens_per_s"] / s["prefix_uncached"]["tokens_per_s"])
+
+
+def test_latencies_are_reported_for_every_section(quick):
+    for name, sec in quick[0]["sections"].items():
+        assert sec["ttft_median_ms"] > 0 and sec["tpot_median_ms"] > 0, (name, sec)
+
+
+def test_shared_system_prompt_is_served_from_the_prefix_cache(quick):
+    s = quick[0]["sections"]
+    assert s["prefix_cached"]["prefix_hit_rate"] > 0.3, s["prefix_cached"]
+    assert s["prefix_uncached"]["prefix_hit_rate"] == 0.0 == s["labkit"]["prefix_hit_rate"]
+
+
+def test_csv_and_json_hold_one_row_per_section(quick):
+    import json
+
+    results, out = quick
+    rows = (out / "engine.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == list(bench.SECTIONS)
+    assert json.loads((out / "engine.json").read_text())["sections"].keys() == \
+        results["sections"].keys()
+
+
+def test_a_failing_peer_is_reported_and_the_other_sections_still_run(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("peer exploded")
+
+    monkeypatch.setattr(bench, "run_transformers", broken)
+    results = bench.run(None, quick=True)
+    assert results["sections"]["transformers"] == {"error": "RuntimeError: peer exploded"}
+    assert results["ratio_vs_transformers"] is None
+    assert all("error" not in results["sections"][n] for n in bench.SECTIONS[:-1])
+    table_line = [ln for ln in capsys.readouterr().out.splitlines()
+                  if ln.startswith("transformers ")]
+    assert table_line and table_line[-1].split() == [
+        "transformers", "FAILED:", "RuntimeError:", "peer", "exploded"], table_line
+
+
+def test_the_workload_is_fixed_by_its_seed_and_within_its_ranges():
+    wl = bench.Workload()
+    prompts, olens, system = wl.requests()
+    again = wl.requests()
+    assert (prompts, olens, system) == again
+    assert len(prompts) == 256 and len(system) == 1024
+    assert all(64 <= len(p) <= 2048 for p in prompts) and all(32 <= n <= 512 for n in olens)
+    assert all(0 <= t < 32000 for p in prompts for t in p)
+
+
+def test_transformers_batches_group_similar_prompt_lengths():
+    prompts = [[0] * n for n in (9, 2, 7, 3, 8)]
+    assert bench.hf_batches(prompts, 2) == [[1, 3], [2, 4], [0]]
