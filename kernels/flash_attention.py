@@ -158,6 +158,19 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def resolve_max_query_len(given, longest_q, cu_seqlens_q, name: str, what: str) -> int:
+    """The grid's query extent: ``given`` (checked against ``longest_q`` when that is known),
+    else read from ``cu_seqlens_q``, which needs a host sync and so is refused while capturing."""
+    if given is None:
+        if _capturing():
+            raise ValueError(f"pass {name} when capturing a CUDA Graph")
+        return longest_q if longest_q is not None else int(cu_seqlens_q.diff().max())
+    if longest_q is not None and given < longest_q:
+        raise ValueError(f"{name}={given} but a sequence has {longest_q} {what}: its later "
+                         f"{what} would get no output")
+    return given
+
+
 def check_heads_and_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_dims: int) -> None:
     """Shared by the flash and paged wrappers: ranks, head counts, head dims, dtypes, devices."""
     if q.dim() != 3 or k.dim() != k_dims or v.shape != k.shape:
@@ -238,13 +251,8 @@ def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe different batch sizes "
                          f"({cu_seqlens_q.numel() - 1} vs {cu_seqlens_k.numel() - 1})")
-    if max_seqlen_q is None:
-        if _capturing():
-            raise ValueError("pass max_seqlen_q when capturing a CUDA Graph")
-        max_seqlen_q = longest_q if longest_q is not None else int(cu_seqlens_q.diff().max())
-    elif longest_q is not None and max_seqlen_q < longest_q:
-        raise ValueError(f"max_seqlen_q={max_seqlen_q} but a sequence has {longest_q} queries: "
-                         "its later queries would get no output")
+    max_seqlen_q = resolve_max_query_len(max_seqlen_q, longest_q, cu_seqlens_q,
+                                         "max_seqlen_q", "queries")
     out = torch.empty_like(q)
     batch, num_q_heads, head_dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
     if max_seqlen_q == 0 or q.shape[0] == 0:

@@ -27,7 +27,7 @@ import triton.language as tl
 from labkit.device import interpreter_on
 from labkit.kernels.flash_attention import (_capturing, check_cu_seqlens,
                                             check_heads_and_dtypes, check_window,
-                                            softmax_scale)
+                                            resolve_max_query_len, softmax_scale)
 from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -217,13 +217,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
                                 q.device, check)
     if max_seq_len is None:  # unchecked: plan for the longest sequence the table can hold
         max_seq_len = block_tables.shape[1] * block_size
-    if max_query_len is None:
-        if _capturing():
-            raise ValueError("pass max_query_len when capturing a CUDA Graph")
-        max_query_len = longest_q if longest_q is not None else int(cu_seqlens_q.diff().max())
-    elif longest_q is not None and max_query_len < longest_q:
-        raise ValueError(f"max_query_len={max_query_len} but a sequence has {longest_q} new "
-                         "tokens: its later tokens would get no output")
+    max_query_len = resolve_max_query_len(max_query_len, longest_q, cu_seqlens_q,
+                                          "max_query_len", "new tokens")
     out = torch.empty_like(q)
     if q.shape[0] == 0 or max_query_len == 0:
         return out
