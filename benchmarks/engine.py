@@ -120,14 +120,13 @@ def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
               max_model_len=min(wl.config.max_position_embeddings,
                                 wl.system_prompt_len + wl.prompt_lens[1] + wl.output_lens[1]))
     try:
-        # Warm-up on prompts unrelated to the workload's (no prefix hits carried over): the
-        # kernels' JIT and first launches stay off the clock.
-        # Several lengths at once, so prefill chunks, mixed steps and decode batches all run.
+        # Warm-up: the workload's own prompt lengths with other token ids (no prefix hits carried
+        # over) and short outputs, so every kernel variant the clock will see (chunk sizes,
+        # split or not, one-token stores) is JIT-compiled before it starts.
         g = torch.Generator().manual_seed(wl.seed + 1)
-        lo, hi = wl.prompt_lens
-        warm = [torch.randint(0, wl.config.vocab_size, (lo + (hi - lo) * k // 11,),
-                              generator=g).tolist() for k in range(12)]
-        llm.generate(warm, SamplingParams(max_tokens=6))
+        warm = [torch.randint(0, wl.config.vocab_size, (len(p),), generator=g).tolist()
+                for p in prompts]
+        llm.generate(warm, [SamplingParams(max_tokens=1 + k % 8) for k in range(len(warm))])
         before = llm.stats
         params = [SamplingParams(max_tokens=n) for n in olens]  # greedy, no stop tokens
         t0 = time.perf_counter()
@@ -333,7 +332,12 @@ def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | N
     results["prefix_gain"] = _ratio(results, "prefix_cached", "prefix_uncached")
     if ours is not None and theirs is not None:
         same = sum(a == b for a, b in zip(ours, theirs))
-        results["greedy_agreement"] = {"requests": len(ours), "identical": same}
+        first = sum(a[:1] == b[:1] for a, b in zip(ours, theirs))
+        common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                  for a, b in zip(ours, theirs)]
+        results["greedy_agreement"] = {"requests": len(ours), "identical": same,
+                                       "first_token_identical": first,
+                                       "median_common_prefix": statistics.median(common)}
     _report(results, wl)
     if out_dir is not None:
         _write(results, Path(out_dir))
@@ -364,7 +368,9 @@ def _report(results, wl: Workload) -> None:
               f"caching on / off {results['prefix_gain']:.2f}x")
     if "greedy_agreement" in results:
         g = results["greedy_agreement"]
-        print(f"greedy outputs identical to transformers: {g['identical']}/{g['requests']}"
+        print(f"greedy outputs identical to transformers: {g['identical']}/{g['requests']}; "
+              f"first token identical {g['first_token_identical']}/{g['requests']}; median "
+              f"common prefix {g['median_common_prefix']} tokens"
               f"{'' if wl.quick else ' (bf16 rounding may flip near-ties on random weights)'}")
 
 

@@ -20,11 +20,15 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its partial write, 
 MAX_SPLITS = 64
 
 
+WAVES = 4  # programs per SM wanted: a split streams its keys alone, and one per SM leaves the
+# memory system idle while it ramps up (H200, 32k keys: 2 waves 59-75% of copy, 4 waves 71-92%)
+
+
 def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per (sequence, kv head, query tile) so that about two waves of programs run."""
+    """Splits per (sequence, kv head, query tile) so that about ``WAVES`` waves of programs run."""
     if programs >= num_sms:
         return 1
-    wanted = triton.cdiv(2 * num_sms, max(programs, 1))
+    wanted = triton.cdiv(WAVES * num_sms, max(programs, 1))
     useful = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 

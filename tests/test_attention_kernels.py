@@ -193,7 +193,9 @@ def test_paged_fp8_cache_matches_reference_on_the_same_fp8_values():
     args = (q, k8, v8, table, cu, lens)
     err = max_err(paged_attention(*args, k_scale=k_scale, v_scale=v_scale),
                   paged_attention_ref(*args, k_scale=k_scale, v_scale=v_scale))
-    assert err < 2e-4, f"seed {seed}: fp8 cache max error {err:.2e}"
+    # The fp8 path multiplies in float16 (q and the probabilities rounded to 11 bits), so the
+    # bound is float16's rounding, not float32's: still 100x below what a wrong scale costs.
+    assert err < 2e-3, f"seed {seed}: fp8 cache max error {err:.2e}"
 
 
 def test_merge_of_splits_matches_its_formula_including_empty_splits():
