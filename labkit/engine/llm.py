@@ -4,10 +4,13 @@
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16))
     outs[0].token_ids, outs[0].ttft_s, outs[0].tpot_s
 
-Every request of a call arrives at once; the loop is schedule -> run -> sample -> update until
-all have finished. Times come from one step clock: the end of a step (after the device has
-finished it) is when each token it sampled exists. TTFT is from arrival to the first token,
-TPOT the mean gap between the following ones.
+Every request of a ``generate`` call arrives at once; ``add_request`` + ``step`` feed requests
+in over time. The plain loop is schedule -> run -> sample -> read tokens -> update. With async
+scheduling (the default on a GPU) the host schedules step N+1, copies its metadata on the copy
+stream and queues its kernels while the device is still computing step N, and only then reads
+step N's tokens: the device never waits for Python between steps. Times come from one clock:
+a token exists when the host has read it. TTFT is from arrival to the first token, TPOT the mean
+gap between the following ones.
 
 Every optimisation can be switched off for a comparison: ``enforce_eager`` (no CUDA Graphs),
 ``backend=`` (one attention backend instead of auto), ``enable_prefix_caching``, and a small
@@ -32,6 +35,7 @@ from labkit.engine.sampling import SamplingParams, request_generator, sample
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.engine.weights import load_model, random_model
 from labkit.kvcache import BlockManager
+from labkit.overlap import InFlightCopy, start_copy_to_host
 
 FINISH_REASONS = {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "length",
                   Status.FINISHED_ERROR: "error"}
@@ -50,6 +54,7 @@ class RequestOutput:
     num_cached_tokens: int = 0       # prompt tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
     text: str | None = None          # decoded, when the LLM has a tokenizer
+    request_id: int = -1             # add_request's id (generate's index is the prompt's place)
 
     @property
     def ok(self) -> bool:
@@ -88,12 +93,23 @@ class EngineStats:
 
 @dataclass
 class _Live:
-    index: int
+    request_id: int
     request: Request
     params: SamplingParams
     generator: torch.Generator | None
     arrival_s: float
     token_times_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Launched:
+    """A step on the device: its samples (device tensor) and their copy to the host."""
+    step: ScheduledStep
+    rows: list[_Live]            # the rows that sample, in order
+    tokens: torch.Tensor         # int64 [num_sampled] on the device
+    host: InFlightCopy | None    # the non-blocking device-to-host copy (None on CPU)
+    graph_batch: int | None
+    start_s: float
 
 
 class LLM:
@@ -103,6 +119,7 @@ class LLM:
     request at full length; on a GPU at most half the free memory). A step computes at most
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` requests. ``backend``: "auto"
     or a name of ``labkit.attention.BACKENDS``; ``enforce_eager`` turns CUDA Graphs off.
+    ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,
@@ -112,7 +129,7 @@ class LLM:
                  enforce_eager: bool = False, backend: str = "auto",
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  device: str | torch.device = "auto", dtype: torch.dtype | None = None,
-                 seed: int = 0, tokenizer: Any = None):
+                 seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None):
         self.device = select_device(device)
         if isinstance(model, LlamaModel):
             self.model = model
@@ -133,15 +150,24 @@ class LLM:
             backend=backend, enforce_eager=enforce_eager)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
+        self.async_scheduling = (self.device.type == "cuda" if async_scheduling is None
+                                 else bool(async_scheduling))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=self.runner.max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
-            decode_buckets=self.runner.decode_buckets, vocab_size=self.config.vocab_size),
-            self.block_manager)
+            decode_buckets=self.runner.decode_buckets, vocab_size=self.config.vocab_size,
+            async_scheduling=self.async_scheduling), self.block_manager)
         self.step_history: list[StepRecord] = []
         self._seeds = random.Random(seed)  # per-request seeds where SamplingParams has none
         self._next_id = 0
+        self._live: dict[int, _Live] = {}
+        self._finished: dict[int, RequestOutput] = {}   # refused at add_request, not yet returned
+        self._launched: _Launched | None = None         # async: the step on the device
+        self._token_buffers = None
+        if self.device.type == "cuda":  # two pinned buffers: step N's and step N+1's samples
+            self._token_buffers = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True)
+                                   for _ in range(2)]
         self._clock0 = time.perf_counter()
 
     @property
@@ -152,9 +178,11 @@ class LLM:
     def selection_log(self) -> list[str]:
         return list(self.runner.selection_log)
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # a step has ended when the device is done
+    def _now(self, sync: bool = True) -> float:
+        """The engine clock. ``sync``: first wait for the device (the plain loop's step ends
+        when the device is done); async scheduling never waits, it reads its events."""
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - self._clock0
 
     # ------------------------------------------------------------------ generate
@@ -162,33 +190,131 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """One output per prompt, in order. A request that cannot be served gets
-        ``finish_reason="error"`` and its ``error``; the rest of the batch goes on."""
+        ``finish_reason="error"`` and its ``error``; the rest of the batch goes on. If a step
+        fails (the device raised), this call's requests are dropped and the engine is left as
+        it was before the call; the error propagates."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             raise TypeError("generate() takes a list of prompts (each a list of token ids, or a "
                             "string with a tokenizer); wrap a single prompt in a list")
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate() runs on an idle engine: requests added with "
+                               "add_request() are still unfinished; step() them to the end")
         params = self._params_for(len(prompts), sampling_params)
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
-        live: dict[int, _Live] = {}
-        arrival = self._now()
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids, error = self._token_ids(i, prompt)
-            req = None
-            if error is None:
-                req = self.scheduler.add_request(self._next_id, ids, max_tokens=p.max_tokens,
-                                                 eos_token_ids=p.stop_token_ids)
-                self._next_id += 1
-                error = req.error
-            if error is not None:
-                outputs[i] = RequestOutput(i, list(ids or []), [], "error", error)
-                continue
-            seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-            generator = None if p.greedy else request_generator(seed, self.device)
-            live[req.request_id] = _Live(i, req, p, generator, arrival)
-        while self.scheduler.has_unfinished_requests():
-            self._step(live)
-        for entry in live.values():
-            outputs[entry.index] = self._output(entry)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        done: dict[int, RequestOutput] = {}
+        for rid in ids:  # refused at once
+            if rid in self._finished:
+                done[rid] = self._finished.pop(rid)
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    done[out.request_id] = out
+        except BaseException:
+            self._abort_all()
+            raise
+        outputs = [done[rid] for rid in ids]
+        for i, out in enumerate(outputs):
+            out.index = i
         return outputs
+
+    def add_request(self, prompt: Sequence[int] | str,
+                    sampling_params: SamplingParams | None = None) -> int:
+        """Queue one request now (its arrival time); returns its id. A request that cannot be
+        served finishes at once with an error (see ``step``'s outputs or ``generate``)."""
+        p = sampling_params or SamplingParams()
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(p).__name__}")
+        rid = self._next_id
+        self._next_id += 1
+        ids, error = self._token_ids(rid, prompt)
+        arrival = self._now(sync=not self.async_scheduling)
+        req = None
+        if error is None:
+            req = self.scheduler.add_request(rid, ids, max_tokens=p.max_tokens,
+                                             eos_token_ids=p.stop_token_ids)
+            error = req.error
+        if error is not None:
+            out = RequestOutput(rid, list(ids or []), [], "error", error, request_id=rid)
+            self._finished[rid] = out
+            return rid
+        seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+        generator = None if p.greedy else request_generator(seed, self.device)
+        self._live[rid] = _Live(rid, req, p, generator, arrival)
+        return rid
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._launched is not None
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the requests that finished in it (and of
+        requests refused by ``add_request`` since the last call).
+
+        Plain loop: schedule, run, sample, read the tokens, update. Async scheduling: schedule
+        and launch step N+1, then read step N's tokens (the GPU already has N+1 queued) and
+        update N; so the host's scheduling and metadata copy overlap the device's compute.
+        """
+        finished = [self._finished.pop(rid) for rid in list(self._finished)]
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            step = self.scheduler.schedule()
+            if step.rows:
+                launched = self._launch(step, self._launched)
+            elif self._launched is None:
+                raise RuntimeError(
+                    f"step {step.step_id} scheduled nothing while requests wait: "
+                    f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} "
+                    "running (a scheduler bug)")
+        if not self.async_scheduling and launched is not None:
+            finished += self._complete(launched)
+            return finished
+        if self._launched is not None:
+            prev, self._launched = self._launched, launched
+            finished += self._complete(prev)
+        else:
+            self._launched = launched
+        return finished
+
+    def _launch(self, step: ScheduledStep, prev: _Launched | None) -> _Launched:
+        start = self._now(sync=not self.async_scheduling)
+        rows = [self._live[r.request_id] for r in step.rows if r.needs_logits]
+        try:
+            out = self.runner.execute(step, self.block_manager,
+                                      None if prev is None else prev.tokens)
+            tokens = sample(out.logits, [e.params for e in rows], [e.generator for e in rows])
+        except BaseException:
+            self.scheduler.abort_step(step)
+            raise
+        host = None
+        if self.device.type == "cuda":
+            buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
+            host = start_copy_to_host(tokens, buf[:tokens.numel()])
+        return _Launched(step, rows, tokens, host, out.graph_batch, start)
+
+    def _complete(self, done: _Launched) -> list[RequestOutput]:
+        sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
+        end = self._now(sync=not self.async_scheduling)
+        kept = [not e.request.finished for e in done.rows]  # a stop in the step before drops it
+        finished = self.scheduler.update(done.step, sampled)
+        for entry, keep in zip(done.rows, kept):
+            if keep:
+                entry.token_times_s.append(end - entry.arrival_s)
+        self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
+                                            end))
+        return [self._output(self._live.pop(r.request_id)) for r in finished]
+
+    def _abort_all(self) -> None:
+        """After a failed step: finish what is in flight if it can, drop every request."""
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            try:
+                self._complete(launched)
+            except BaseException:  # noqa: BLE001 (the step failed too: undo it instead)
+                self.scheduler.abort_step(launched.step)
+        for rid in list(self._live):
+            if not self._live[rid].request.finished:
+                self.scheduler.abort_request(rid)
+        self._live.clear()
+        self._finished.clear()
 
     def _params_for(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
@@ -215,33 +341,16 @@ class LLM:
             return None, (f"prompt {i} is a {type(prompt).__name__}; give a list of token ids "
                           "or a string")
 
-    def _step(self, live: dict[int, _Live]) -> None:
-        step: ScheduledStep = self.scheduler.schedule()
-        if not step.rows:
-            raise RuntimeError(f"step {step.step_id} scheduled nothing while requests wait: "
-                               f"{len(self.scheduler.waiting)} waiting, "
-                               f"{len(self.scheduler.running)} running (a scheduler bug)")
-        start = self._now()
-        out = self.runner.execute(step, self.block_manager)
-        rows = [live[r.request_id] for r in step.rows if r.needs_logits]
-        tokens = sample(out.logits, [e.params for e in rows], [e.generator for e in rows])
-        sampled = tokens.tolist()
-        end = self._now()
-        self.scheduler.update(step, sampled)
-        for entry in rows:
-            entry.token_times_s.append(end - entry.arrival_s)
-        self.step_history.append(StepRecord(step.stats, out.graph_batch, start, end))
-
     def _output(self, entry: _Live) -> RequestOutput:
         req, times = entry.request, entry.token_times_s
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids)
-        return RequestOutput(entry.index, list(req.prompt_token_ids), list(req.output_token_ids),
-                             FINISH_REASONS[req.status], req.error,
+        return RequestOutput(entry.request_id, list(req.prompt_token_ids),
+                             list(req.output_token_ids), FINISH_REASONS[req.status], req.error,
                              times[0] if times else None, tpot, list(times),
-                             req.num_cached_tokens, req.num_preemptions, text)
+                             req.num_cached_tokens, req.num_preemptions, text, entry.request_id)
 
     # ------------------------------------------------------------------ statistics
     @property

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 
+PENDING = -1  # an output token scheduled for sampling whose id the host does not know yet
+
+
 class Status(str, enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,6 +43,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output, counting a token still being sampled (``PENDING``)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -68,6 +72,9 @@ class ScheduledSeq:
     token_ids: tuple[int, ...]
     is_prefill: bool
     needs_logits: bool  # the chunk reaches the request's last token: sample the next one
+    # Async scheduling: the input token is PENDING, sampled by the step still in flight; the
+    # runner takes it from that step's device tokens, row ``input_from`` of its samples.
+    input_from: int | None = None
 
     @property
     def request_id(self) -> Hashable:

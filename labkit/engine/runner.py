@@ -4,7 +4,9 @@ For each step it
 1. applies the step's copy-on-write block copies to the KV cache;
 2. builds the step's metadata (token ids, positions, slot_mapping, cu_seqlens_q, seq_lens,
    block_tables, logits_indices) into ONE int32 host buffer, pinned on a GPU, and copies it to
-   the device in one transfer on a copy stream (the compute stream waits on its event);
+   the device in one transfer on a copy stream (the compute stream waits on its event; with
+   async scheduling the copy runs while the previous step still computes, and input tokens
+   still PENDING on the host are gathered from that step's samples on the device);
 3. runs the model with an attention function that, in every layer, first stores the step's
    new K/V into their slots and then runs the selected backend's paged attention over the
    cache: so a row reads its cached context and its own new tokens alike;
@@ -192,11 +194,15 @@ class ModelRunner:
         return self.cache.block_size
 
     # ------------------------------------------------------------------ metadata
-    def to_device(self, md: StepMetadata) -> DeviceMetadata:
-        """One int32 buffer, one host-to-device copy; the compute stream waits on its event."""
+    def to_device(self, md: StepMetadata, prev_tokens: torch.Tensor | None = None
+                  ) -> DeviceMetadata:
+        """One int32 buffer, one host-to-device copy on the copy stream; the compute stream
+        waits on its event (the host does not). Input tokens still PENDING on the host are
+        taken from ``prev_tokens``, the previous step's samples on the device."""
         width = len(md.block_tables[0]) if md.block_tables else 0
         parts = (md.input_ids, md.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
-                 list(chain.from_iterable(md.block_tables)), md.logits_indices)
+                 list(chain.from_iterable(md.block_tables)), md.logits_indices,
+                 md.pending_dst, md.pending_src)
         flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int32)
         if self.staging is None:
             buf = flat
@@ -204,7 +210,13 @@ class ModelRunner:
             host = self.staging.stage(flat.shape, torch.int32)
             host.copy_(flat)
             buf = self.staging.submit().wait()
-        ids, pos, slots, cu, lens, tables, logits_idx = buf.split([len(p) for p in parts])
+        ids, pos, slots, cu, lens, tables, logits_idx, dst, src = buf.split(
+            [len(p) for p in parts])
+        if len(md.pending_dst):
+            if prev_tokens is None:
+                raise RuntimeError("this step reads tokens sampled by the previous one: pass "
+                                   "that step's device tokens (async scheduling)")
+            ids = ids.index_put((dst.long(),), prev_tokens[src.long()].to(ids.dtype))
         return DeviceMetadata(ids, pos, slots, cu, lens, tables.view(len(md.seq_lens), width),
                               logits_idx)
 
@@ -228,8 +240,10 @@ class ModelRunner:
         return attention
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep, bm: BlockManager) -> StepOutput:
-        """Runs ``step`` (call it after ``schedule()``, before ``update()``)."""
+    def execute(self, step: ScheduledStep, bm: BlockManager,
+                prev_tokens: torch.Tensor | None = None) -> StepOutput:
+        """Runs ``step`` (call it after ``schedule()``, before ``update()``); ``prev_tokens``:
+        the step in flight's sampled tokens on the device, for rows whose input is PENDING."""
         self.cache.copy_blocks(list(step.block_copies))
         if not step.rows:
             vocab = self.model.config.vocab_size
@@ -239,7 +253,7 @@ class ModelRunner:
             key = self.graphs.key_for(len(step.rows))
             graph_batch = key[0] if key is not None else None
         md = build_step_metadata(step, bm)
-        dev = self.to_device(md)
+        dev = self.to_device(md, prev_tokens)
         if graph_batch is not None:
             # The graph reads block tables of one fixed width; only the used columns cross the
             # bus, the rest is padded on the device.

@@ -18,6 +18,14 @@ preempted: its blocks are freed and it goes back to the front of the waiting que
 recomputed (prompt and output so far) when there is room; its full blocks usually stay cached.
 
 Driven by ``step = schedule()``, the runner computes the step, then ``update(step, sampled)``.
+
+Async scheduling (``async_scheduling=True``): the next step may be scheduled while one is still
+in flight, so the CPU plans step N+1 while the GPU computes step N. A token that step N samples
+is then ``PENDING``: step N+1's decode row for that request reads it from the device (the row's
+``input_from``) and its KV slot is reserved without its id; ``update(N)`` fills in the id. A
+request that reaches ``max_tokens`` with its pending token is left out of step N+1; one that
+samples a stop token in step N has already been given a row in step N+1, whose token is
+dropped (the price of not waiting for the GPU).
 """
 from __future__ import annotations
 
@@ -27,7 +35,8 @@ from dataclasses import asdict, dataclass
 from operator import index
 from typing import Hashable, Sequence
 
-from labkit.engine.request import Request, ScheduledSeq, ScheduledStep, Status, StepStats
+from labkit.engine.request import (PENDING, Request, ScheduledSeq, ScheduledStep, Status,
+                                   StepStats)
 from labkit.kvcache.block_manager import BlockManager
 
 __all__ = ["Request", "ScheduledSeq", "ScheduledStep", "Scheduler", "SchedulerConfig", "Status",
@@ -42,6 +51,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     decode_buckets: tuple[int, ...] | None = None  # graph batch sizes, for padded-row stats
     vocab_size: int | None = None       # if given, prompt token ids are checked against it
+    async_scheduling: bool = False      # schedule step N+1 before step N's tokens are known
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "vocab_size"):
@@ -76,7 +86,7 @@ class Scheduler:
         self.running: list[Request] = []   # admission order: the last one is the newest
         self.history: list[StepStats] = []
         self._live: dict[Hashable, Request] = {}
-        self._in_flight: ScheduledStep | None = None
+        self._in_flight: deque[ScheduledStep] = deque()  # scheduled, not yet updated; in order
         self._next_step = 0
 
     # ------------------------------------------------------------------ requests
@@ -139,11 +149,25 @@ class Scheduler:
             StepStats.__dataclass_fields__))
 
     # ------------------------------------------------------------------ scheduling
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def schedule(self) -> ScheduledStep:
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step_id} was scheduled but not updated: "
-                               "call update(step, sampled_token_ids) before the next schedule()")
+        """The next step. Its rows' tokens count as computed from now on (their KV is written
+        by this step), and each row that samples gets a ``PENDING`` output token."""
+        limit = 2 if self.config.async_scheduling else 1
+        if len(self._in_flight) >= limit:
+            raise RuntimeError(
+                f"step {self._in_flight[0].step_id} was scheduled but not updated: call "
+                f"update(step, sampled_token_ids) first ({limit - 1} step(s) may be in flight "
+                f"{'with' if limit == 2 else 'without'} async_scheduling)")
         cfg, bm = self.config, self.bm
+        # Where each token sampled by the step in flight sits in that step's samples.
+        sample_row = {}
+        if self._in_flight:
+            rows = [r for r in self._in_flight[-1].rows if r.needs_logits]
+            sample_row = {r.request_id: i for i, r in enumerate(rows)}
         budget = cfg.max_num_batched_tokens
         rows: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
@@ -153,15 +177,21 @@ class Scheduler:
 
         def add_row(req: Request, start: int, n: int, is_prefill: bool) -> None:
             nonlocal budget
-            rows.append(ScheduledSeq(req, start, n, tuple(req.token_ids(start, start + n)),
-                                     is_prefill, start + n == req.num_tokens))
+            tokens = tuple(req.token_ids(start, start + n))
+            source = sample_row[req.request_id] if tokens[-1] == PENDING else None
+            needs_logits = start + n == req.num_tokens
+            rows.append(ScheduledSeq(req, start, n, tokens, is_prefill, needs_logits, source))
             scheduled.add(req.request_id)
             budget -= n
+            req.num_computed_tokens = start + n
+            if needs_logits:
+                req.output_token_ids.append(PENDING)
+                req.token_steps.append(self._next_step)
 
         # 1. decodes, oldest first; the newest running request gives way when blocks run out
         for req in [r for r in self.running if r.is_decode]:
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status is not Status.RUNNING or self._done_when_resolved(req):
+                continue  # preempted earlier in this loop, or finishing with its pending token
             while not bm.can_append(req.request_id):
                 victim = self._victim(req, scheduled)
                 self._preempt(victim)
@@ -171,7 +201,8 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             start = req.num_computed_tokens
-            copies += bm.append_token(req.request_id, req.token_ids(start, start + 1)[0])
+            token = req.token_ids(start, start + 1)[0]
+            copies += bm.append_token(req.request_id, None if token == PENDING else token)
             add_row(req, start, 1, is_prefill=False)
 
         # 2. running prefills: the next chunk, as large as the budget and free blocks allow
@@ -201,6 +232,8 @@ class Scheduler:
                and not starved and not preempted):
             req = self.waiting[0]
             tokens = req.token_ids(0, req.num_tokens)
+            if PENDING in tokens:
+                break  # preempted while its last token is in flight: admit it after update()
             hit = cached_prefix_len(bm, tokens)
             todo = len(tokens) - hit
             if not cfg.enable_chunked_prefill and budget < todo <= cfg.max_num_batched_tokens:
@@ -222,9 +255,16 @@ class Scheduler:
                              tuple(r.request_id for r in preempted),
                              self._stats(rows, hit_tokens, len(preempted)))
         self._next_step += 1
-        self._in_flight = step
+        if rows:  # an empty step has nothing to update
+            self._in_flight.append(step)
         self.history.append(step.stats)
         return step
+
+    def _done_when_resolved(self, req: Request) -> bool:
+        """Its pending token is its last: max_tokens or max_model_len is reached with it."""
+        return (bool(req.output_token_ids) and req.output_token_ids[-1] == PENDING
+                and (len(req.output_token_ids) >= req.max_tokens
+                     or req.num_tokens >= self.config.max_model_len))
 
     def _room(self, req: Request) -> int:
         """Tokens a running request can still append without preempting anyone."""
@@ -241,8 +281,8 @@ class Scheduler:
                 return req
         raise AssertionError("the requester is not running")
 
-    def _preempt(self, req: Request) -> None:
-        self.bm.free(req.request_id)
+    def _preempt(self, req: Request, *, uncache: bool = False) -> None:
+        self.bm.free(req.request_id, uncache=uncache)
         self.running.remove(req)
         req.status = Status.WAITING
         req.num_computed_tokens = 0
@@ -263,40 +303,87 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def update(self, step: ScheduledStep, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """Record the step as computed and append one sampled token per row that
-        ``needs_logits`` (in row order). Returns the requests that finished."""
-        if step is not self._in_flight:
-            raise RuntimeError(f"update() got step {step.step_id}, but the step in flight is "
-                               f"{None if self._in_flight is None else self._in_flight.step_id}")
+        """Fill in the tokens ``step`` sampled, one per row that ``needs_logits`` (in row order),
+        and finish requests that stop. Steps are updated in the order they were scheduled.
+        Returns the requests that finished."""
+        if not step.rows:
+            return []
+        if not self._in_flight or step is not self._in_flight[0]:
+            expected = self._in_flight[0].step_id if self._in_flight else None
+            raise RuntimeError(f"update() got step {step.step_id}, but the oldest step in "
+                               f"flight is {expected}: update steps in the order scheduled")
         if hasattr(sampled_token_ids, "tolist"):  # a tensor: one transfer, not one per token
             sampled_token_ids = sampled_token_ids.tolist()
         sampled = [index(t) for t in sampled_token_ids]
         if len(sampled) != step.num_sampled:
             raise ValueError(f"step {step.step_id} samples {step.num_sampled} token(s), one per "
                              f"row with needs_logits; got {len(sampled)}")
-        self._in_flight = None
+        self._in_flight.popleft()
         finished = []
         tokens = iter(sampled)
-        for row in step.rows:
-            req = row.request
-            req.num_computed_tokens = row.start + row.num_tokens
-            if not row.needs_logits:
-                continue
-            token = next(tokens)
-            req.output_token_ids.append(token)
-            req.token_steps.append(step.step_id)
+        for row in (r for r in step.rows if r.needs_logits):
+            req, token = row.request, next(tokens)
+            if req.finished:
+                continue  # stopped in the step before; this row ran on a token it never kept
+            position = row.start + row.num_tokens  # where the sampled token goes
+            slot = position - len(req.prompt_token_ids)
+            assert req.output_token_ids[slot] == PENDING, (req.request_id, slot)
+            req.output_token_ids[slot] = token
+            rid = req.request_id
+            if rid in self.bm and self.bm.has_pending(rid) and self.bm.num_tokens(rid) == \
+                    position + 1:  # the next step reserved its slot already
+                self.bm.set_token(rid, token)
             if token in req.eos_token_ids:
-                self._finish(req, Status.FINISHED_STOPPED)
-            elif (len(req.output_token_ids) >= req.max_tokens
-                  or req.num_tokens >= self.config.max_model_len):
-                self._finish(req, Status.FINISHED_LENGTH)
+                status = Status.FINISHED_STOPPED
+            elif slot + 1 >= req.max_tokens or position + 1 >= self.config.max_model_len:
+                status = Status.FINISHED_LENGTH
             else:
                 continue
+            del req.output_token_ids[slot + 1:]  # a row scheduled after it samples nothing kept
+            del req.token_steps[slot + 1:]
+            self._finish(req, status)
             finished.append(req)
         return finished
 
+    def abort_step(self, step: ScheduledStep) -> None:
+        """Undo a step that failed before its KV was written (the runner raised): its requests
+        go back to the waiting queue as if preempted, the tokens it was to sample are dropped,
+        and blocks only they held leave the prefix cache (they hold no KV). Steps after it must
+        be aborted first; steps before it can still be updated."""
+        if not self._in_flight or step is not self._in_flight[-1]:
+            raise RuntimeError(f"abort_step({step.step_id}): only the newest step in flight can "
+                               "be aborted")
+        self._in_flight.pop()
+        for row in step.rows:
+            req = row.request
+            if row.needs_logits:
+                slot = row.start + row.num_tokens - len(req.prompt_token_ids)
+                del req.output_token_ids[slot:]
+                del req.token_steps[slot:]
+            if req.status is Status.RUNNING:
+                self._preempt(req, uncache=True)
+                req.num_preemptions -= 1  # not the scheduler's choice: no preemption counted
+
+    def abort_request(self, request_id: Hashable) -> Request:
+        """Drop a request that is waiting or running (and in no step in flight), freeing its
+        blocks; it finishes with ``Status.FINISHED_ERROR``."""
+        req = self._live.get(request_id)
+        if req is None:
+            raise ValueError(f"abort_request: {request_id!r} is not waiting or running")
+        if any(r.request is req for s in self._in_flight for r in s.rows):
+            raise RuntimeError(f"abort_request({request_id!r}): it is in a step in flight; update "
+                               "or abort that step first")
+        if PENDING in req.output_token_ids:
+            del req.output_token_ids[req.output_token_ids.index(PENDING):]
+        self._finish(req, Status.FINISHED_ERROR)
+        req.error = req.error or "aborted"
+        return req
+
     def _finish(self, req: Request, status: Status) -> None:
-        self.bm.free(req.request_id)
-        self.running.remove(req)
+        if req in self.running:
+            self.bm.free(req.request_id)
+            self.running.remove(req)
+        elif req in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(req)
         del self._live[req.request_id]
         req.status = status

@@ -28,6 +28,10 @@ class StepMetadata:
     logits_indices: list[int]       # [num_sampled] token index whose logits are sampled
     max_seqlen_q: int
     max_seqlen_k: int
+    # Async scheduling: input_ids[pending_dst[i]] is PENDING on the host; the runner takes it
+    # from the previous step's device samples, row pending_src[i].
+    pending_dst: list[int] = ()
+    pending_src: list[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -54,12 +58,16 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
     (static buffers for graphs); by default it is the longest row's table."""
     input_ids, positions, slot_mapping = [], [], []
     cu_seqlens_q, seq_lens, tables, logits_indices = [0], [], [], []
+    pending_dst, pending_src = [], []
     for row in step.rows:
         rid, end = row.request_id, row.start + row.num_tokens
         if bm.num_tokens(rid) != end:
             raise ValueError(f"request {rid!r} holds slots for {bm.num_tokens(rid)} tokens, the "
                              f"step computes up to position {end}: build metadata right after "
                              "schedule(), before update()")
+        if row.input_from is not None:  # the last token is still on the device
+            pending_dst.append(len(input_ids) + row.num_tokens - 1)
+            pending_src.append(row.input_from)
         input_ids += row.token_ids
         positions += row.positions
         slot_mapping += bm.slots(rid, row.start, end)
@@ -77,4 +85,4 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
     tables = [t + [pad_block] * (width - len(t)) for t in tables]
     return StepMetadata(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables,
                         logits_indices, max((r.num_tokens for r in step.rows), default=0),
-                        max(seq_lens, default=0))
+                        max(seq_lens, default=0), pending_dst, pending_src)

@@ -56,7 +56,7 @@ class CacheStats:
 
 
 class _Sequence:
-    __slots__ = ("block_table", "num_tokens", "tail", "last_hash", "extra")
+    __slots__ = ("block_table", "num_tokens", "tail", "last_hash", "extra", "pending")
 
     def __init__(self, block_table, num_tokens, tail, last_hash, extra):
         self.block_table: list[int] = block_table
@@ -64,6 +64,7 @@ class _Sequence:
         self.tail: list[int] = tail          # token ids in the partly filled last block
         self.last_hash: bytes = last_hash    # hash of the last full block (chain parent)
         self.extra: bytes = extra
+        self.pending: bool = False           # the last token's id is not known yet
 
 
 class BlockManager:
@@ -147,8 +148,8 @@ class BlockManager:
 
     def snapshot(self) -> tuple:
         """Everything the manager holds, comparable with ``==`` (tests check nothing changed)."""
-        seqs = tuple((k, tuple(s.block_table), s.num_tokens, tuple(s.tail), s.last_hash, s.extra)
-                     for k, s in self._seqs.items())
+        seqs = tuple((k, tuple(s.block_table), s.num_tokens, tuple(s.tail), s.last_hash, s.extra,
+                      s.pending) for k, s in self._seqs.items())
         return (tuple(self._ref), tuple(self._gen), tuple(self._free), seqs,
                 self._prefix.snapshot(), self.stats)
 
@@ -192,12 +193,20 @@ class BlockManager:
         self._prompt_tokens += n
         return len(hits) * self.block_size
 
-    def append_token(self, seq_id, token_id: int) -> list[tuple[int, int]]:
-        """Make room for one more token; returns block copies ``(src, dst)`` to apply first."""
+    def append_token(self, seq_id, token_id: int | None) -> list[tuple[int, int]]:
+        """Make room for one more token; returns block copies ``(src, dst)`` to apply first.
+
+        ``token_id=None``: the token is still being sampled on the device (async scheduling
+        reserves its slot one step early). Its block is registered in the prefix cache only
+        once ``set_token`` gives the id; until then the sequence takes no further token.
+        """
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise ValueError(f"append_token: unknown sequence {seq_id!r}; allocate it first")
-        if self.enable_prefix_caching:
+        if seq.pending:
+            raise ValueError(f"append_token({seq_id!r}): its last token is still pending; call "
+                             "set_token with the sampled id first")
+        if self.enable_prefix_caching and token_id is not None:
             token_id = index(token_id)  # a bad token fails here, before anything changes
         pos = seq.num_tokens & self._mask
         copies = []
@@ -215,15 +224,35 @@ class BlockManager:
         except OutOfBlocks:
             raise OutOfBlocks(f"append_token({seq_id!r})", 1, 0, self.num_blocks) from None
         seq.num_tokens += 1
+        if token_id is None:
+            seq.pending = True
         if self.enable_prefix_caching:
             seq.tail.append(token_id)
-            if pos == self._mask:
+            if pos == self._mask and token_id is not None:
                 self._seal(seq)
         return copies
+
+    def set_token(self, seq_id, token_id: int) -> None:
+        """Give the id of a sequence's pending last token (see ``append_token``)."""
+        seq = self._get(seq_id)
+        if not seq.pending:
+            raise ValueError(f"set_token({seq_id!r}): no pending token; append_token(seq_id, None) "
+                             "reserves one")
+        if self.enable_prefix_caching:
+            token_id = index(token_id)
+            seq.tail[-1] = token_id
+            if seq.num_tokens & self._mask == 0:  # the pending token filled its block
+                self._seal(seq)
+        seq.pending = False
+
+    def has_pending(self, seq_id) -> bool:
+        return self._get(seq_id).pending
 
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent (ref counts go up; nothing is copied)."""
         parent = self._get(parent_id)
+        if parent.pending:
+            raise ValueError(f"fork: {parent_id!r} has a pending token; set_token first")
         if child_id in self._seqs:
             raise ValueError(f"fork: child {child_id!r} already exists; pick a new seq_id")
         ref = self._ref
@@ -232,18 +261,23 @@ class BlockManager:
         self._seqs[child_id] = _Sequence(list(parent.block_table), parent.num_tokens,
                                          list(parent.tail), parent.last_hash, parent.extra)
 
-    def free(self, seq_id) -> None:
+    def free(self, seq_id, *, uncache: bool = False) -> None:
         """Release a sequence's blocks. Tail blocks are released first, so under pressure they
-        are evicted before the prefix blocks that other prompts are likelier to share."""
+        are evicted before the prefix blocks that other prompts are likelier to share.
+
+        ``uncache=True``: the blocks no other sequence holds leave the prefix cache as well,
+        for a sequence whose step failed before its KV was written (a later prompt must not
+        find blocks that hold nothing)."""
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         ref, prefix = self._ref, self._prefix
         for b in reversed(seq.block_table):
             ref[b] -= 1
             if ref[b] == 0:
-                if prefix.is_registered(b):
+                if prefix.is_registered(b) and not uncache:
                     prefix.park(b)
                 else:
+                    prefix.forget(b)
                     self._free.append(b)
 
     # ------------------------------------------------------------------ internals

@@ -96,6 +96,16 @@ class PrefixCache:
         self._key_of[block] = None
         return block
 
+    def forget(self, block: int) -> None:
+        """Unregister a block no sequence holds whose contents cannot be trusted (the step that
+        was to write them failed); the block manager frees it."""
+        self._evictable.pop(block, None)
+        h = self._hash_of[block]
+        if h is not None:
+            del self._by_hash[h]
+            self._hash_of[block] = None
+            self._key_of[block] = None
+
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks in eviction order (next to go first)."""
         return list(self._evictable)
