@@ -1,0 +1,305 @@
+"""Notebook 07's library: the FLOP/byte arithmetic, the measured forward, the engine runs."""
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from labkit import chunked_prefill as cp
+from labkit import prefill_decode as pdc
+from labkit.engine import LLM, ModelConfig, random_model
+
+# h 8, intermediate 16, 1 layer, 2 query heads / 1 KV head of dim 4, vocabulary 10, float32:
+# q_size 8, kv_size 4; matmul weights per layer 8*(8+2*4) + 8*8 + 3*8*16 = 576.
+SMALL = ModelConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Timings here are only sanity-checked, but on a small machine shared with other programs a
+    second thread stalls whenever they hold a core, which multiplies these tests' time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return random_model(ModelConfig.tiny(), seed=0, device="cpu")
+
+
+# ----------------------------------------------------------------------------- arithmetic
+def test_prefill_cost_matches_the_hand_count():
+    c = pdc.forward_cost(SMALL, pdc.prefill(3))
+    assert c["linear_flops"] == 2 * 3 * 576 + 2 * 1 * 10 * 8, "2 FLOPs per weight per token, " \
+        "plus the logits of the last token only"
+    assert c["attention_flops"] == 4 * 2 * 4 * 6, "causal: 3 queries see 1+2+3 keys"
+    assert c["weight_bytes"] == 4 * (576 + 2 * 8 + 8 + 10 * 8), "every weight read once"
+    assert c["kv_bytes"] == 4 * 2 * 4 * (3 + 3), "K and V written for 3 tokens and read once"
+    assert c["activation_bytes"] == 4 * (3 * 8 + 3 * (4 * 8 + 2 * 8 + 2 * 4 + 3 * 16) + 18)
+    assert c["flops_per_byte"] == pytest.approx(c["flops"] / c["bytes"])
+
+
+def test_decode_cost_matches_the_hand_count():
+    c = pdc.forward_cost(SMALL, pdc.decode(2, 5))
+    assert c["linear_flops"] == 2 * 2 * 576 + 2 * 2 * 10 * 8, "two rows, each sampled"
+    assert c["attention_flops"] == 4 * 2 * 4 * 2 * 5, "each row's query sees its 5 keys"
+    assert c["kv_bytes"] == 4 * 2 * 4 * 2 * (1 + 5), "each row writes 1 token, reads 5"
+    assert c["weight_bytes"] == pdc.forward_cost(SMALL, pdc.prefill(3))["weight_bytes"]
+
+
+def test_bf16_halves_every_byte_and_keeps_every_flop():
+    f32 = pdc.forward_cost(SMALL, pdc.decode(4, 9), dtype_bytes=4)
+    bf16 = pdc.forward_cost(SMALL, pdc.decode(4, 9), dtype_bytes=2)
+    assert bf16["bytes"] * 2 == f32["bytes"] and bf16["flops"] == f32["flops"]
+
+
+def test_batching_decode_shares_the_weight_reads():
+    one, many = (pdc.forward_cost(ModelConfig.bench_1b(), pdc.decode(b, 256)) for b in (1, 64))
+    assert many["weight_bytes"] == one["weight_bytes"], "weights are read once per step"
+    assert many["flops_per_byte"] > 30 * one["flops_per_byte"], (
+        "64 rows per weight read should raise decode's intensity many times over")
+
+
+def test_prefill_is_compute_bound_and_decode_memory_bound_on_an_h200_ridge():
+    cfg, ridge = ModelConfig.bench_1b(), 190.0
+    assert pdc.forward_cost(cfg, pdc.prefill(2048))["flops_per_byte"] > ridge
+    assert pdc.forward_cost(cfg, pdc.decode(1, 1024))["flops_per_byte"] < 2
+
+
+def test_cost_table_reports_gflop_and_mb():
+    table = pdc.cost_table(SMALL, [pdc.prefill(3)])
+    raw = pdc.forward_cost(SMALL, pdc.prefill(3))
+    assert table.loc["prefill S=3", "GFLOP"] == pytest.approx(raw["flops"] / 1e9)
+    assert table.loc["prefill S=3", "kv_MB"] == pytest.approx(raw["kv_bytes"] / 1e6)
+
+
+def test_knee_is_the_first_batch_at_the_ridge():
+    cfg, ridge = ModelConfig.bench_1b(), 190.0
+    knee = pdc.knee_batch(cfg, 0, ridge)
+    assert knee is not None and 100 < knee < 400, f"weights-only knee of bench_1b: {knee}"
+    assert pdc.decode_intensity(cfg, knee, 0) >= ridge > pdc.decode_intensity(cfg, knee - 1, 0)
+
+
+def test_long_contexts_never_reach_the_ridge():
+    cfg = ModelConfig.bench_1b()
+    assert pdc.knee_batch(cfg, 4096, 190.0) is None, (
+        "at 4k tokens of context each row's KV reads keep decode below the ridge")
+    assert pdc.knee_batch(cfg, 4096, 1.0) == 1, "a ridge below batch-1 intensity is met at once"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kind="verify", batch=1, tokens=1, context=1), "kind"),
+    (dict(kind="decode", batch=0, tokens=1, context=1), "batch"),
+    (dict(kind="prefill", batch=1, tokens=8, context=4), "context"),
+    (dict(kind="decode", batch=True, tokens=1, context=1), "batch"),
+])
+def test_a_shape_that_cannot_exist_is_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        pdc.ForwardShape(**bad)
+
+
+# ----------------------------------------------------------------------------- the forward
+@pytest.mark.parametrize("batch, q_heads, kv_heads, context, dtype, tol", [
+    (3, 8, 2, 37, torch.float32, 1e-5),    # GQA, a context that is no power of two
+    (1, 4, 4, 1, torch.float32, 1e-5),     # MHA, one cached token
+    (2, 8, 1, 64, torch.float16, 2e-3),    # MQA in half precision
+])
+def test_decode_attention_matches_the_reference(batch, q_heads, kv_heads, context, dtype, tol):
+    g = torch.Generator().manual_seed(batch * 100 + context)
+    q = torch.randn(batch, q_heads, 16, generator=g).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, context, 16, generator=g).to(dtype) for _ in "kv")
+    out = pdc.decode_attention(q, k, v)
+    ref = pdc.decode_attention_ref(q, k, v)
+    assert out.shape == (batch, q_heads, 16) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_prefill_step_gives_the_models_own_logits(tiny_model):
+    step = pdc.forward_step(tiny_model, pdc.prefill(5, batch=2), seed=3)
+    ids = torch.randint(0, tiny_model.config.vocab_size, (10,),
+                        generator=torch.Generator().manual_seed(3))
+    ref = tiny_model(ids.view(2, 5))[:, -1]  # the plain causal path of LlamaModel.forward
+    torch.testing.assert_close(step(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_step_writes_its_token_and_returns_one_row_per_sequence(tiny_model):
+    step = pdc.forward_step(tiny_model, pdc.decode(3, 7))
+    first, again = step(), step()
+    assert first.shape == (3, tiny_model.config.vocab_size) and torch.isfinite(first).all()
+    torch.testing.assert_close(first, again, msg="a step on fixed tensors must be repeatable "
+                               "(graph replay depends on it)")
+
+
+def test_measure_returns_a_point_per_shape_with_consistent_rates(tiny_model):
+    points = pdc.measure(tiny_model, [pdc.prefill(8), pdc.decode(2, 8)], repeats=3)
+    assert list(points["shape"]) == ["prefill S=8", "decode B=2 ctx 8"]
+    assert (points.ms > 0).all() and (points["mode"] == "eager").all()
+    assert points.tflops.values == pytest.approx((points.flops / (points.ms * 1e-3) / 1e12).values)
+
+
+def test_graph_mode_on_cpu_says_what_to_compare_instead(tiny_model):
+    with pytest.raises(ValueError, match="op_issue_floor"):
+        pdc.time_forward(tiny_model, pdc.decode(1, 4), "graph")
+    with pytest.raises(ValueError, match="eager"):
+        pdc.time_forward(tiny_model, pdc.decode(1, 4), "turbo")
+
+
+def test_op_issue_floor_is_a_positive_time(tiny_model):
+    floor = pdc.op_issue_floor(tiny_model, "decode", repeats=3)
+    assert 0 < floor < 1000, f"issuing one tiny step's ops took {floor} ms"
+    with pytest.raises(ValueError, match="kind"):
+        pdc.op_issue_floor(tiny_model, "verify")
+
+
+def _points(rows):
+    return pd.DataFrame(rows, columns=["shape", "kind", "flops_per_byte", "mode", "ms"])
+
+
+def test_graph_gain_divides_eager_by_replay():
+    gain = pdc.graph_gain(_points([("d", "decode", 1.0, "eager", 6.0),
+                                   ("d", "decode", 1.0, "graph", 2.0),
+                                   ("p", "prefill", 900.0, "eager", 10.0),
+                                   ("p", "prefill", 900.0, "graph", 10.0)]))
+    assert list(gain.speedup) == [3.0, 1.0]
+
+
+def test_overhead_share_is_the_floor_over_the_step_and_never_above_one():
+    table = pdc.overhead_table(_points([("d", "decode", 1.0, "eager", 0.5),
+                                        ("p", "prefill", 900.0, "eager", 20.0)]),
+                               {"decode": 1.0, "prefill": 1.0})
+    assert list(table.floor_share) == [1.0, 0.05]
+
+
+# ----------------------------------------------------------------------------- the engine
+def _engine(model, **kwargs):
+    return LLM(model, enable_prefix_caching=False, max_num_seqs=4, **kwargs)
+
+
+def test_latency_sweep_measures_every_case(tiny_model):
+    df = cp.latency_sweep(_engine(tiny_model), [(1, 8), (3, 8)], max_tokens=4)
+    assert list(df.batch) == [1, 3]
+    assert (df.ttft_ms > 0).all() and (df.tpot_ms > 0).all()
+    assert (df.ttft_max_ms >= df.ttft_ms).all()
+
+
+def test_latency_sweep_refuses_an_empty_case(tiny_model):
+    with pytest.raises(ValueError, match="batch and prompt_len"):
+        cp.latency_sweep(_engine(tiny_model), [(0, 8)])
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_model):
+    on = cp.interference_run(_engine(tiny_model, max_num_batched_tokens=16), num_running=2,
+                             running_tokens=10, long_prompt_len=60, arrive_after_steps=3)
+    off = cp.interference_run(_engine(tiny_model, enable_chunked_prefill=False,
+                                      max_num_batched_tokens=64),
+                              num_running=2, running_tokens=10, long_prompt_len=60,
+                              arrive_after_steps=3)
+    return on, off
+
+
+def test_without_chunking_one_step_holds_the_whole_prompt(two_runs):
+    _, off = two_runs
+    assert off.steps.num_prefill_tokens.max() == 60
+    stall = off.steps[off.steps.num_prefill_tokens == 60]
+    assert (stall.num_decode_tokens == 2).all(), "the running requests' decodes share that step"
+
+
+def test_with_chunking_no_step_passes_the_budget_and_steps_mix(two_runs):
+    on, _ = two_runs
+    assert (on.steps.num_prefill_tokens + on.steps.num_decode_tokens).max() <= 16
+    mixed = (on.steps.num_prefill_tokens > 0) & (on.steps.num_decode_tokens > 0)
+    assert mixed.sum() >= 3, "60 prompt tokens, at most 14 a step beside 2 decodes: 5 chunks"
+
+
+def test_gaps_cover_every_token_of_every_running_request(two_runs):
+    for run in two_runs:
+        assert len(run.gaps) == 2 * 9, "10 tokens each, so 9 gaps each"
+        assert (run.gaps.gap_ms > 0).all() and run.long_ttft_ms > 0
+        assert not math.isnan(run.prefill_gap_ms)
+
+
+def test_an_interference_run_survives_a_json_round_trip(two_runs):
+    on, _ = two_runs
+    back = cp.Interference.from_dict(json.loads(json.dumps(on.to_dict(), allow_nan=False)))
+    assert back.worst_gap_ms == pytest.approx(on.worst_gap_ms)
+    assert list(back.steps.num_prefill_tokens) == list(on.steps.num_prefill_tokens)
+
+
+def test_an_arrival_too_late_to_show_a_stall_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="arrive_after_steps"):
+        cp.interference_run(_engine(tiny_model), running_tokens=6, arrive_after_steps=5)
+
+
+def test_interference_needs_an_idle_engine(tiny_model):
+    llm = _engine(tiny_model)
+    llm.add_request([1, 2, 3])
+    with pytest.raises(RuntimeError, match="idle"):
+        cp.interference_run(llm)
+
+
+def test_figures_draw_from_the_runs(two_runs):
+    assert len(cp.gaps_figure(two_runs, "t").data) == 2
+    assert len(cp.composition_figure(two_runs, "t").data) == 6
+
+
+# ----------------------------------------------------------------------------- make record
+def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
+    data = pdc.record("cpu", ModelConfig.tiny(), [pdc.prefill(16), pdc.decode(2, 16)], engine=dict(
+        latency_batches=(1, 2), latency_prompt=8, latency_prompts=(4, 16), latency_batch=2,
+        max_tokens=3, num_running=2, running_tokens=6, long_prompt=32, chunk_budget=8,
+        arrive_after=2, kv_cache_memory=None))
+    data = json.loads(json.dumps(data, allow_nan=False))  # plain JSON, no NaN
+    assert {"config", "peaks", "points", "issue_floor_ms", "profiles", "engine"} <= set(data)
+    assert pd.DataFrame(data["points"])["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
+    assert set(data["issue_floor_ms"]) == {"prefill", "decode"}
+    assert set(data["profiles"]) == {"prefill S=16", "decode B=2 ctx 16"}
+    engine = data["engine"]
+    assert len(engine["by_batch"]["batch"]) == 2 and len(engine["by_prompt"]["prompt_len"]) == 2
+    on, off = (cp.Interference.from_dict(d) for d in engine["interference"])
+    assert on.chunked and not off.chunked and off.budget == 32 + 2
+
+
+def test_the_notebook_defaults_are_the_recorded_gpu_sizes():
+    from labkit.lab import NOTEBOOK_DIR
+
+    nb = json.loads((NOTEBOOK_DIR / "07_prefill_vs_decode.ipynb").read_text())
+    cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
+    params: dict = {}
+    exec("".join(cell["source"]), params)  # the parameters cell is plain assignments
+    recorded = [s.name for s in pdc.GPU_SHAPES]
+    notebook = [pdc.prefill(s).name for s in params["PREFILL_LENS"]] + [
+        pdc.decode(b, params["CONTEXT"]).name for b in params["DECODE_BATCHES"]]
+    assert notebook == recorded, "the notebook on a GPU should measure what make record keeps"
+
+
+# ----------------------------------------------------------------------------- on a GPU
+@pytest.fixture(scope="module")
+def gpu_model():
+    cfg = ModelConfig.tiny(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                           num_attention_heads=16, num_key_value_heads=4, torch_dtype="bfloat16")
+    return random_model(cfg, seed=0, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [pdc.prefill(64), pdc.decode(4, 128)], ids=lambda s: s.kind)
+def test_graph_replay_computes_the_eager_logits(gpu_model, shape):
+    from labkit.graphs import capture_graph
+
+    step = pdc.forward_step(gpu_model, shape)
+    eager = step()
+    graph, out = capture_graph(step)
+    graph.replay()
+    torch.testing.assert_close(out, eager, msg="a replay computes what the eager call computed")
+
+
+@pytest.mark.gpu
+def test_graph_replay_speeds_up_a_small_decode_step(gpu_model):
+    gain = pdc.graph_gain(pdc.measure(gpu_model, [pdc.decode(1, 128)], pdc.MODES))
+    assert gain.speedup.iloc[0] > 1.3, (
+        f"a small decode step should be launch-bound eagerly; replay gave "
+        f"{gain.speedup.iloc[0]:.2f}x")
