@@ -18,7 +18,7 @@ GPU_CHECK_ARGS ?=
 FROM ?=
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: help lab test run gpu-check record handouts reset venv clean chromium
+.PHONY: help lab test run gpu-check record handouts reset venv clean chromium student instructor
 help:
 	@echo "make lab        set up .venv and open JupyterLab on notebooks/ (127.0.0.1, with a token)"
 	@echo "make test       set up .venv if needed and run every test, notebooks included"
@@ -27,6 +27,8 @@ help:
 	@echo "make record     on a CUDA host: refresh the recorded GPU figures in labkit/recorded_data/"
 	@echo "make handouts   executed notebooks -> static HTML pages in handouts/<timestamp>/ (FROM=run folder)"
 	@echo "make reset      strip outputs and widget state from notebooks/ (between workshop groups)"
+	@echo "make student    student copies (each marked solution replaced by its stub) -> student/"
+	@echo "make instructor the same files with the solutions kept -> instructor/"
 
 venv: $(VENV)/.installed
 
@@ -74,6 +76,12 @@ record:
 
 handouts:
 	$(GPY) -m labkit.handouts --out handouts/$(STAMP) $(if $(FROM),--from $(FROM))
+
+student:
+	$(GPY) -m labkit.student --out student
+
+instructor:
+	$(GPY) -m labkit.student --instructor --out instructor
 
 reset:
 	$(GPY) -m labkit.handouts --strip notebooks/
