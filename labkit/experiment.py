@@ -77,10 +77,18 @@ def engine_options(workload: Workload, block_size: int = 16) -> dict:
                 enable_prefix_caching=False)
 
 
+# Seen on the H200 (torch 2.11): the first recording ran flex for over 140 s and was stopped.
+FLEX_IN_THE_ENGINE = (
+    "not timed: flex_attention is compiled for fixed shapes, every engine step brings a new KV "
+    "length, so Dynamo recompiled until its limit of 8 and then ran the unfused fallback (over "
+    "140 s in the first H200 recording run); it suits fixed-shape work, not this engine")
+
+
 def slow_here(device: torch.device) -> dict[str, str]:
-    """Backends that would run here but slowly (on CPU: interpreted or uncompiled), with why."""
+    """Backends that would run here but slowly (on CPU: interpreted or uncompiled; on a GPU
+    flex, recompiled for every new KV length), with why."""
     if device.type != "cpu":
-        return {}
+        return {"flex": FLEX_IN_THE_ENGINE}
     return {name: f"not run, to keep this run short: {why.split(';')[0]}"
             for name, why in CPU_SLOW.items()}
 
@@ -290,6 +298,8 @@ def record(model: ModelConfig | None = None, workload: Workload | None = None, *
 
     dev = select_device(device)
     config = model or (ModelConfig.bench_1b() if dev.type == "cuda" else ModelConfig.tiny())
+    if skip is None and dev.type == "cuda":
+        skip = slow_here(dev)
     t0 = time.perf_counter()
     weights = random_model(config, device=dev)
     out = run_experiment(weights, workload or Workload(), skip=skip, repeats=repeats).to_dict()
