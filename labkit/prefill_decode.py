@@ -4,6 +4,7 @@ one and not the other. ``forward_cost`` counts a forward's FLOPs and bytes from 
 tensors so a CUDA Graph can capture it; ``measure`` times it eagerly and replayed."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -35,8 +36,9 @@ class ForwardShape:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("batch", "tokens", "context"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a NumPy int from a table is fine
         if self.context < self.tokens:
             raise ValueError(f"context ({self.context}) must hold the {self.tokens} new tokens")
 

@@ -25,6 +25,9 @@ RECORDERS: dict[str, str] = {
     "torch_compile": "labkit.recompiles:record",
     "overlap": "labkit.transfer:record",
     "attention": "benchmarks.attention:record",
+    "engine": "benchmarks.engine:record",
+    "prefill_decode": "labkit.prefill_decode:record",
+    "experiment": "labkit.experiment:record",
 }
 
 

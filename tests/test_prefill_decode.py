@@ -303,3 +303,11 @@ def test_graph_replay_speeds_up_a_small_decode_step(gpu_model):
     assert gain.speedup.iloc[0] > 1.3, (
         f"a small decode step should be launch-bound eagerly; replay gave "
         f"{gain.speedup.iloc[0]:.2f}x")
+
+
+def test_shapes_accept_numpy_ints_from_a_table():
+    import numpy as np
+
+    from labkit.prefill_decode import decode
+    shape = decode(np.int64(4), np.int64(128))
+    assert (shape.batch, shape.context) == (4, 128) and type(shape.batch) is int
