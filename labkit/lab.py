@@ -31,7 +31,7 @@ SEQUENCE = [
     ("08_putting_it_together", "continuous batching engine; backend x eager/graph experiment",
      "graphs, speed", "tiny model live, recorded GPU table"),
     ("09_multi_gpu_overlap", "tensor-parallel layer: all-reduce overlapped with compute",
-     "two GPUs, NCCL", "single-process gloo on CPU, recorded 2-GPU timeline"),
+     "two GPUs, NCCL", "2-process gloo on CPU, recorded 2-GPU timeline"),
 ]
 
 

@@ -6,6 +6,8 @@
   host-to-device copies, each handed out again only after its last copy's event completed.
 * :class:`~labkit.prefetch.Prefetcher`: copy batch i+1 on a copy stream while the compute
   stream works on batch i.
+* :class:`~labkit.tensor_parallel.TensorParallelMLP`: a column- then row-parallel MLP whose
+  all-reduce runs serially or overlapped with the next chunk's compute, across processes.
 * :func:`copy_to_host` (device to host): a non-blocking copy into pinned memory that returns
   only once the copy's event has completed, so the values read are never stale.
   :func:`start_copy_to_host` returns at once with the handle, for reading one step later.
@@ -19,9 +21,12 @@ import torch
 from labkit.prefetch import PrefetchStats, Prefetcher
 from labkit.staging import (InFlightCopy, PinnedStagingPool, StagingStats,
                             SynchronousFallbackWarning, announce_synchronous)
+from labkit.tensor_parallel import (TensorParallelMLP, TPConfig, TPExperiment, mlp_reference,
+                                    run_experiment)
 
 __all__ = ["PinnedStagingPool", "Prefetcher", "copy_to_host", "start_copy_to_host",
-           "InFlightCopy", "StagingStats", "PrefetchStats", "SynchronousFallbackWarning"]
+           "InFlightCopy", "StagingStats", "PrefetchStats", "SynchronousFallbackWarning",
+           "TensorParallelMLP", "TPConfig", "TPExperiment", "mlp_reference", "run_experiment"]
 
 
 def _check_out(t: torch.Tensor, out: torch.Tensor | None) -> None:

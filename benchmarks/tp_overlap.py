@@ -1,0 +1,85 @@
+"""Tensor-parallel MLP on 2 GPUs: the all-reduce after the layer against overlapped with compute.
+
+    python benchmarks/tp_overlap.py --out results/                    # spawns its 2 ranks
+    torchrun --nproc-per-node 2 benchmarks/tp_overlap.py --out results/
+
+For each ffn size and chunk count, measured in one run on both ranks (the slowest rank counts):
+the serial step, the overlapped step, the compute alone and the communication alone, then
+overlap efficiency = max(compute, comm) / overlapped (1.0 is perfect) and speed-up =
+serial / overlapped. Writes tp_overlap.csv and tp_overlap.json (with both ranks' traces). With
+fewer than 2 GPUs it runs gloo on the CPU at small sizes and says so: CPU numbers show the
+mechanics, not what a GPU gains. NVLink multicast is off (NCCL_NVLS_ENABLE=0).
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import labkit
+from labkit import tensor_parallel as tp
+from labkit.tp_runner import launched_by_torchrun, pick_backend
+
+CPU_SHAPES = dict(tokens=512, hidden=1024, dtype="float32", chunk_counts=(1, 2, 4, 8),
+                  trace_chunks=4, warmup=2, repeats=20)
+CPU_FFN_SIZES = (1024,)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    parser.add_argument("--ffn", type=_ints, help="comma-separated ffn sizes (full layer)")
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--dtype", choices=list(tp.DTYPES))
+    parser.add_argument("--chunks", type=_ints, help="comma-separated chunk counts")
+    parser.add_argument("--repeats", type=int)
+    args = parser.parse_args(argv)
+
+    backend = pick_backend(args.backend, world_size=2)
+    shapes, ffn_sizes = ((tp.GPU_SHAPES, tp.GPU_FFN_SIZES) if backend == "nccl"
+                         else (CPU_SHAPES, CPU_FFN_SIZES))
+    overrides = {k: v for k, v in dict(tokens=args.tokens, hidden=args.hidden, dtype=args.dtype,
+                                       chunk_counts=args.chunks, repeats=args.repeats).items()
+                 if v is not None}
+    shapes = {**shapes, **overrides}
+    runs = [tp.run_experiment(tp.TPExperiment(ffn=ffn, **shapes), world_size=2, backend=backend)
+            for ffn in (args.ffn or ffn_sizes)]
+    if launched_by_torchrun() and os.environ["RANK"] != "0":
+        return 0
+
+    print(labkit.device.describe())
+    print(f"backend {backend}, 2 ranks" + ("" if backend == "nccl" else
+          " on the CPU (fewer than 2 GPUs): mechanics only, not GPU numbers"))
+    rows = []
+    for run in runs:
+        e = run.experiment
+        table = run.table.assign(tokens=e.tokens, hidden=e.hidden, ffn=e.ffn, dtype=e.dtype,
+                                 backend=backend)
+        table["compute_over_comm"] = table.compute_us / table.comm_us
+        rows.append(table)
+        print(f"\ntokens {e.tokens}, hidden {e.hidden}, ffn {e.ffn} ({e.ffn // 2} per rank), "
+              f"{e.dtype}; worst relative error against one device: "
+              f"{run.errors.max().max():.1e}")
+        print(table[["num_chunks", "serial_us", "overlapped_us", "compute_us", "comm_us",
+                     "compute_over_comm", "efficiency", "speedup"]].to_string(
+                         index=False, float_format=lambda v: f"{v:,.3f}"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    import pandas as pd
+
+    pd.concat(rows).to_csv(args.out / "tp_overlap.csv", index=False)
+    (args.out / "tp_overlap.json").write_text(json.dumps(
+        {"fingerprint": labkit.fingerprint(), "backend": backend,
+         "runs": [r.to_dict() for r in runs]}) + "\n")
+    print(f"\nwrote {args.out / 'tp_overlap.csv'} and {args.out / 'tp_overlap.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
