@@ -181,7 +181,8 @@ def test_check_backends_reports_why_a_backend_was_skipped():
     from labkit.attention.compare import Workload, check_backends
     table = check_backends(Workload((1,), (20,), kv_cache_dtype="fp8_e4m3")).set_index("backend")
     assert not table.loc["sdpa", "compatible"] and "fp8" in table.loc["sdpa", "reasons"]
-    assert table.loc["triton", "max_abs_error"] < 2e-4
+    # the fp8 path multiplies in float16: float16's rounding bounds it, not float32's
+    assert table.loc["triton", "max_abs_error"] < 2e-3
 
 
 def test_workload_counts_only_the_query_key_pairs_the_mask_keeps():
