@@ -8,7 +8,8 @@ prompts of 64..2048 random token ids, 32..512 output tokens each; stop tokens ar
 every request produces exactly its output length. Sections, each run even if another failed:
 
 1. ``labkit``: ``LLM.generate`` over all requests at once (CUDA Graphs on)
-2. ``labkit_eager``: the same with ``enforce_eager=True``
+2. ``labkit_eager``: the same with ``enforce_eager=True``; ``labkit_fused``: with
+   ``fused_ops=True`` (each layer's small ops as three fused kernels)
 3. ``prefix_cached`` / ``prefix_uncached``: every prompt behind one shared 1,024-token system
    prompt, prefix caching on and off (hit rate and throughput gain)
 4. ``transformers``: ``LlamaForCausalLM.generate`` loaded from the same safetensors, static
@@ -39,7 +40,8 @@ import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit.device import describe, fingerprint
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
 
-SECTIONS = ("labkit", "labkit_eager", "prefix_cached", "prefix_uncached", "transformers")
+SECTIONS = ("labkit", "labkit_eager", "labkit_fused", "prefix_cached", "prefix_uncached",
+            "transformers")
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,9 @@ def _release():
 # --- labkit -----------------------------------------------------------------------------------
 
 def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
-               enable_prefix_caching=True) -> tuple[dict, list[list[int]]]:
+               enable_prefix_caching=True, fused_ops=False) -> tuple[dict, list[list[int]]]:
     llm = LLM(model, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+              fused_ops=fused_ops,
               max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
               max_model_len=min(wl.config.max_position_embeddings,
                                 wl.system_prompt_len + wl.prompt_lens[1] + wl.output_lens[1]))
@@ -312,6 +315,8 @@ def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | N
     ours = _section(results, "labkit", lambda: run_labkit(model, prompts, olens, wl))
     _section(results, "labkit_eager",
              lambda: run_labkit(model, prompts, olens, wl, enforce_eager=True))
+    _section(results, "labkit_fused",
+             lambda: run_labkit(model, prompts, olens, wl, fused_ops=True))
     shared = [system + p for p in prompts]
     _section(results, "prefix_cached", lambda: run_labkit(model, shared, olens, wl))
     _section(results, "prefix_uncached",
@@ -329,6 +334,7 @@ def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | N
             print(f"  transformers: FAILED ({type(exc).__name__}: {exc})")
     results["ratio_vs_transformers"] = _ratio(results, "labkit", "transformers")
     results["graphs_gain"] = _ratio(results, "labkit", "labkit_eager")
+    results["fused_gain"] = _ratio(results, "labkit_fused", "labkit")
     results["prefix_gain"] = _ratio(results, "prefix_cached", "prefix_uncached")
     if ours is not None and theirs is not None:
         same = sum(a == b for a, b in zip(ours, theirs))
@@ -362,6 +368,8 @@ def _report(results, wl: Workload) -> None:
               f"{'; quick mode: not the target workload' if wl.quick else ''})")
     if results["graphs_gain"] is not None:
         print(f"CUDA Graphs on / off: {results['graphs_gain']:.2f}x")
+    if results["fused_gain"] is not None:
+        print(f"fused layer ops on / off: {results['fused_gain']:.2f}x")
     if results["prefix_gain"] is not None:
         hit = results["sections"]["prefix_cached"]["prefix_hit_rate"]
         print(f"shared {wl.system_prompt_len}-token system prompt: prefix hit rate {hit:.1%}, "

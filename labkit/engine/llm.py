@@ -120,6 +120,8 @@ class LLM:
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` requests. ``backend``: "auto"
     or a name of ``labkit.attention.BACKENDS``; ``enforce_eager`` turns CUDA Graphs off.
     ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
+    ``fused_ops`` runs each layer's small ops as three fused Triton kernels (off by default
+    until measured on a GPU; on CPU they run in Triton's interpreter).
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,
@@ -129,7 +131,8 @@ class LLM:
                  enforce_eager: bool = False, backend: str = "auto",
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  device: str | torch.device = "auto", dtype: torch.dtype | None = None,
-                 seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None):
+                 seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None,
+                 fused_ops: bool = False):
         self.device = select_device(device)
         if isinstance(model, LlamaModel):
             self.model = model
@@ -141,6 +144,7 @@ class LLM:
             raise TypeError(f"model must be a checkpoint folder, a ModelConfig or a LlamaModel, "
                             f"got {type(model).__name__}")
         self.model.eval()
+        self.model.fused_ops = bool(fused_ops)  # before the runner captures its graphs
         self.device = self.model.embed_tokens.device  # a LlamaModel given stays where it is
         self.config = self.model.config
         self.tokenizer = tokenizer

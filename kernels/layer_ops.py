@@ -1,0 +1,155 @@
+"""The small ops of a decoder layer, fused: fewer kernels per decode step.
+
+What you will learn: why a decode step replayed from a CUDA Graph can still sit far below the
+bandwidth roofline. A graph removes the host's launches, not the kernels: an eager Llama layer
+runs about forty of them (two RMSNorms of eight ops each, RoPE on q and k, SiLU, a multiply,
+residual adds, casts), each moving a few kilobytes but costing the GPU microseconds. The
+matmuls that stream the weights are four of them. This file folds the rest into three kernels:
+
+* ``add_rms_norm``: ``residual = x + residual`` (rounded to the model's dtype, as the eager
+  add is) then ``weight * rms_norm(residual)``; the next layer's input norm absorbs this
+  layer's last residual add;
+* ``rope_``: rotates the q and k heads of the fused qkv output in place, angles computed from
+  the positions in float32 (no cos/sin tensors);
+* ``silu_mul``: ``silu(gate) * up`` from the fused gate_up output.
+
+Each has a plain torch reference (``*_ref``), the model's own eager arithmetic, and tests
+compare them on fresh random shapes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Out, R_out, stride_x, stride_r, stride_o, stride_ro, n_cols,
+                         eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        # The eager add rounds to the model's dtype before the norm reads it: so does this.
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=ok, other=0.0
+                                        ).to(tl.float32)).to(R_out.dtype.element_ty)
+        tl.store(R_out + row * stride_ro + cols, x, mask=ok)
+    x32 = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
+    normed = (x32 * inv_rms).to(Out.dtype.element_ty)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    tl.store(Out + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)
+                                           ).to(Out.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, H] (rows contiguous); weight: [H] -> (normed [T, H], new residual).
+
+    With ``residual=None`` the new residual is ``x`` itself (the first layer's input)."""
+    if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
+        raise ValueError(f"add_rms_norm wants x [T, H] with contiguous rows and weight [H], got "
+                         f"x {tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual must match x {tuple(x.shape)} with contiguous rows, got "
+                         f"{tuple(residual.shape)}")
+    out = torch.empty_like(x)
+    new_residual = x if residual is None else torch.empty_like(x)
+    if x.shape[0]:
+        r = residual if residual is not None else x
+        _add_rms_norm_kernel[(x.shape[0],)](
+            x, r, weight, out, new_residual, x.stride(0), r.stride(0), out.stride(0),
+            new_residual.stride(0), x.shape[1], eps, HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out, new_residual
+
+
+def add_rms_norm_ref(x, residual, weight, eps):
+    """The model's eager arithmetic (labkit.engine.model.rms_norm after ``x + residual``)."""
+    from labkit.engine.model import rms_norm
+    r = x if residual is None else x + residual
+    return rms_norm(r, weight, eps), r
+
+
+@triton.jit
+def _rope_kernel(QKV, Pos, InvFreq, stride_t, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads then k heads: they sit side by side in each qkv row
+    i = tl.arange(0, HALF_P)
+    ok = i < HALF
+    pos = tl.load(Pos + token).to(tl.float32)
+    angle = pos * tl.load(InvFreq + i, mask=ok, other=0.0)
+    base = QKV + token * stride_t + head * (2 * HALF)
+    x1 = tl.load(base + i, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + i, mask=ok, other=0.0)
+    # cos and sin rounded to the model's dtype first, as the eager path does
+    cos = tl.cos(angle).to(x1.dtype).to(tl.float32)
+    sin = tl.sin(angle).to(x1.dtype).to(tl.float32)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base + i, (a * cos - b * sin).to(x1.dtype), mask=ok)
+    tl.store(base + HALF + i, (b * cos + a * sin).to(x1.dtype), mask=ok)
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+          num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv: [T, (Hq + 2 Hkv) * D] (the fused projection's output, rows contiguous); rotates
+    its q and k heads in place (the half-split pairing: i with i + D/2) and returns it."""
+    head_dim = 2 * inv_freq.numel()
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or \
+            qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"rope_ wants qkv [T, (Hq + 2 Hkv) * D] = [T, "
+                         f"{(num_q_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, "
+                         f"got {tuple(qkv.shape)} strides {qkv.stride()}")
+    if positions.shape != (qkv.shape[0],):
+        raise ValueError(f"positions must be [T={qkv.shape[0]}], got {tuple(positions.shape)}")
+    if qkv.shape[0]:
+        half = head_dim // 2
+        _rope_kernel[(qkv.shape[0], num_q_heads + num_kv_heads)](
+            qkv, positions, inv_freq, qkv.stride(0), HALF=half, HALF_P=triton.next_power_of_2(half))
+    return qkv
+
+
+def rope_ref(qkv, positions, inv_freq, num_q_heads, num_kv_heads):
+    """The model's eager RoPE on the q and k parts of a copy of ``qkv``."""
+    from labkit.engine.model import apply_rope, rope_cos_sin
+    head_dim = 2 * inv_freq.numel()
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    out = qkv.clone()
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    q = out[:, :q_size].view(-1, num_q_heads, head_dim)
+    k = out[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
+    out[:, :q_size] = apply_rope(q, cos, sin).reshape(-1, q_size)
+    out[:, q_size:q_size + kv_size] = apply_rope(k, cos, sin).reshape(-1, kv_size)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    gate = tl.load(GU + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(GU + row * stride_gu + n_cols + cols, mask=ok, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # F.silu rounds to the dtype here
+    tl.store(Out + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)
+                                           ).to(Out.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 I] (gate, then up) -> silu(gate) * up: [T, I]."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul wants gate_up [T, 2 I] with contiguous rows, got "
+                         f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+    n = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+def silu_mul_ref(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
