@@ -173,6 +173,21 @@ def test_only_the_newest_step_in_flight_can_be_aborted_and_updates_go_in_order()
     assert bm.block_table("a") and not bm.has_pending("a"), "update fills the reserved slot"
 
 
+def test_a_request_whose_pending_token_is_its_last_gets_no_further_row():
+    bm = BlockManager(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                      max_model_len=64, async_scheduling=True), bm)
+    req = sched.add_request("a", [1, 2, 3], max_tokens=2)
+    first = sched.schedule()    # prefill: samples output 1
+    second = sched.schedule()   # decode on the pending output 1: samples output 2, the last
+    sched.update(first, [7])
+    third = sched.schedule()    # output 2 is still in flight, and it ends the request
+    assert third.rows == (), "a row after the last token would be computed and thrown away"
+    sched.update(second, [8])
+    assert req.output_token_ids == [7, 8] and req.status.value == "finished_length"
+    assert bm.num_free_blocks == 32
+
+
 def test_pending_tokens_in_the_block_manager_are_sealed_only_when_known():
     bm = BlockManager(8, 4)
     bm.allocate("a", [1, 2, 3])
