@@ -7,6 +7,7 @@ import torch
 
 from labkit.check import check
 
+
 def _decode_step_cost(config, batch, context, dtype_bytes):
     c = config
     per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
