@@ -65,11 +65,11 @@ def main(argv=None) -> int:
         table["compute_over_comm"] = table.compute_us / table.comm_us
         rows.append(table)
         print(f"\ntokens {e.tokens}, hidden {e.hidden}, ffn {e.ffn} ({e.ffn // 2} per rank), "
-              f"{e.dtype}; worst relative error against one device: "
-              f"{run.errors.max().max():.1e}")
+              f"{e.dtype}; worst relative error against one "
+              f"device: {run.errors.max().max():.1e}")
         print(table[["num_chunks", "serial_us", "overlapped_us", "compute_us", "comm_us",
-                     "compute_over_comm", "efficiency", "speedup"]].to_string(
-                         index=False, float_format=lambda v: f"{v:,.3f}"))
+                     "compute_over_comm", "pipeline_us", "efficiency", "of_pipeline",
+                     "speedup"]].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
     args.out.mkdir(parents=True, exist_ok=True)
     import pandas as pd
 

@@ -28,6 +28,7 @@ RECORDERS: dict[str, str] = {
     "engine": "benchmarks.engine:record",
     "prefill_decode": "labkit.prefill_decode:record",
     "experiment": "labkit.experiment:record",
+    "tp_overlap": "labkit.tensor_parallel:record",
 }
 
 

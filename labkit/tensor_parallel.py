@@ -171,22 +171,31 @@ class TensorParallelMLP:
 
 
 def overlap_metrics(serial_us: float, overlapped_us: float, compute_us: float,
-                    comm_us: float) -> dict:
+                    comm_us: float, num_chunks: int = 1) -> dict:
     """How well the overlapped step hides communication.
 
     ``efficiency = max(compute, comm) / overlapped``: 1.0 when the step takes only as long as
     the longer of the two (the shorter one entirely hidden); ``speedup = serial / overlapped``;
     ``hidden_fraction``: how much of the shorter one disappeared from the step.
+
+    A pipeline of ``num_chunks`` equal chunks cannot reach ``max(compute, comm)``: the first
+    chunk's compute runs before any all-reduce can start, the last chunk's all-reduce after all
+    compute. ``pipeline_us = max + min / num_chunks`` is that bound (one chunk: the serial sum),
+    and ``of_pipeline = pipeline_us / overlapped`` how close the step came to it.
     """
     times = dict(serial_us=serial_us, overlapped_us=overlapped_us, compute_us=compute_us,
                  comm_us=comm_us)
     bad = {k: v for k, v in times.items() if not v > 0}
     if bad:
         raise ValueError(f"times must be positive microseconds, got {bad}")
-    ideal = max(compute_us, comm_us)
-    return {**times, "ideal_us": ideal, "efficiency": ideal / overlapped_us,
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be an integer >= 1, got {num_chunks!r}")
+    ideal, shorter = max(compute_us, comm_us), min(compute_us, comm_us)
+    pipeline = ideal + shorter / num_chunks
+    return {**times, "ideal_us": ideal, "pipeline_us": pipeline,
+            "efficiency": ideal / overlapped_us, "of_pipeline": pipeline / overlapped_us,
             "speedup": serial_us / overlapped_us,
-            "hidden_fraction": (compute_us + comm_us - overlapped_us) / min(compute_us, comm_us)}
+            "hidden_fraction": (compute_us + comm_us - overlapped_us) / shorter}
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,8 @@ class TPResult:
         per_rank = pd.DataFrame([row for r in self.ranks for row in r["rows"]])
         slowest = per_rank.groupby("num_chunks", as_index=False).max()
         rows = [{"num_chunks": int(r.num_chunks),
-                 **overlap_metrics(r.serial_us, r.overlapped_us, r.compute_us, r.comm_us)}
+                 **overlap_metrics(r.serial_us, r.overlapped_us, r.compute_us, r.comm_us,
+                                   int(r.num_chunks))}
                 for r in slowest.itertuples()]
         return pd.DataFrame(rows)
 
@@ -280,15 +281,17 @@ class TPResult:
         return cls(TPExperiment(**exp), d["backend"], d["ranks"])
 
     def figure(self, title: str):
-        """Step time per chunk count; the dotted line is the best overlap can do."""
+        """Step time per chunk count; dotted: the best overlap can do (max of the two), dashed:
+        the best a pipeline of that many chunks can do."""
         import plotly.express as px
 
         table = self.table
         long = table.melt(id_vars=["num_chunks"], var_name="time", value_name="us", value_vars=[
-            "serial_us", "overlapped_us", "compute_us", "comm_us", "ideal_us"])
+            "serial_us", "overlapped_us", "compute_us", "comm_us", "ideal_us", "pipeline_us"])
         fig = px.line(long, x="num_chunks", y="us", color="time", markers=True, log_x=True,
                       title=title, labels={"num_chunks": "chunks per step", "us": "us per step"})
         fig.update_xaxes(tickvals=table.num_chunks.tolist())
+        fig.update_traces(selector={"name": "pipeline_us"}, line_dash="dash")
         return fig.update_traces(selector={"name": "ideal_us"}, line_dash="dot")
 
     @property
@@ -296,3 +299,23 @@ class TPResult:
         """|log(compute / communication)| unchunked: 0 when the two take equally long."""
         row = self.table.sort_values("num_chunks").iloc[0]
         return abs(math.log(row.compute_us / row.comm_us))
+
+
+def sweep_summary(results: list[TPResult]) -> pd.DataFrame:
+    """One row per experiment: its best chunk count and what that step achieved, and how much
+    longer the NCCL (or gloo) work ran in the traced overlapped step than in the serial one
+    (``comm_stretch``: communication that shares the GPU with matmuls runs slower)."""
+    rows = []
+    for r in results:
+        table, e = r.table, r.experiment
+        best = table.loc[table.speedup.idxmax()]
+        one = table.loc[table.num_chunks.idxmin()]
+        serial, overlapped = (r.trace(m).summary for m in ("serial", "overlapped"))
+        stretch = [overlapped[k]["comm_us"] / serial[k]["comm_us"] for k in serial
+                   if serial[k]["comm_us"] > 0]
+        rows.append({"ffn": e.ffn, "compute_over_comm": one.compute_us / one.comm_us,
+                     "serial_us": one.serial_us, "best_chunks": int(best.num_chunks),
+                     "best_overlapped_us": best.overlapped_us, "speedup": best.speedup,
+                     "efficiency": best.efficiency, "of_pipeline": best.of_pipeline,
+                     "comm_stretch": sum(stretch) / len(stretch) if stretch else float("nan")})
+    return pd.DataFrame(rows)

@@ -190,6 +190,19 @@ def test_perfect_overlap_scores_one_and_none_scores_the_serial_ratio():
     assert (none["efficiency"], none["hidden_fraction"], none["speedup"]) == (0.6, 0.0, 1.0)
 
 
+def test_the_pipeline_bound_leaves_one_chunk_of_the_shorter_side_exposed():
+    # 4 chunks, compute 8 us, comm 4 us: chunk 1 computes (2 us) before anything is sent, then
+    # compute and comm run side by side, and the last chunk's 1 us of comm runs alone: 8 + 1.
+    m = tp.overlap_metrics(serial_us=12.0, overlapped_us=10.0, compute_us=8.0, comm_us=4.0,
+                           num_chunks=4)
+    assert (m["ideal_us"], m["pipeline_us"]) == (8.0, 9.0)
+    assert m["of_pipeline"] == pytest.approx(0.9)
+    one = tp.overlap_metrics(12.0, 12.0, 8.0, 4.0, num_chunks=1)
+    assert one["pipeline_us"] == 12.0, "one chunk cannot overlap: its bound is the serial sum"
+    with pytest.raises(ValueError, match="num_chunks must be an integer >= 1"):
+        tp.overlap_metrics(12.0, 10.0, 8.0, 4.0, num_chunks=0)
+
+
 def test_times_that_are_not_positive_are_refused():
     with pytest.raises(ValueError, match="positive microseconds.*comm_us"):
         tp.overlap_metrics(10.0, 8.0, 6.0, 0.0)
@@ -303,7 +316,10 @@ def test_nccl_overlapped_equals_serial_and_the_reference(dtype, atol):
 @pytest.mark.gpu
 @two_gpus
 def test_nccl_timeline_shows_nccl_kernels_beside_the_matmuls():
-    exp = tp.TPExperiment(tokens=4096, hidden=4096, ffn=4096, dtype="bfloat16",
+    # Chunks of 2,048 tokens: each matmul long enough that the previous chunk's all-reduce
+    # has one to run beside (at 1,024-token chunks of a 4,096-wide layer, H200 rank 0 once ran
+    # all four all-reduces after its last matmul).
+    exp = tp.TPExperiment(tokens=8192, hidden=8192, ffn=8192, dtype="bfloat16",
                           chunk_counts=(1, 4), trace_chunks=4, warmup=2, repeats=5)
     s = tp.run_experiment(exp, world_size=2, backend="nccl").trace("overlapped").summary
     for rank in (0, 1):
