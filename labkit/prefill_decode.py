@@ -211,6 +211,18 @@ def graph_gain(points: pd.DataFrame) -> pd.DataFrame:
     return wide.assign(speedup=wide["eager"] / wide["graph"]).reset_index()
 
 
+def fused_gain(points: pd.DataFrame, fused: pd.DataFrame, copy_gbps: float) -> pd.DataFrame:
+    """Per shape and mode measured both ways: ms with the small ops as separate kernels and as
+    fused ones (``LlamaModel.fused_ops``), the speed-up, and each one's share of the copy
+    bandwidth (the step's bytes over its time)."""
+    keys = ["shape", "kind", "mode"]
+    both = points.merge(fused, on=keys, suffixes=("", "_fused"))
+    return pd.DataFrame({
+        **{k: both[k] for k in keys}, "ms": both.ms, "ms_fused": both.ms_fused,
+        "speedup": both.ms / both.ms_fused, "share_of_copy": both.gbps / copy_gbps,
+        "share_of_copy_fused": both.gbps_fused / copy_gbps})
+
+
 def op_issue_floor(model: LlamaModel, kind: str, repeats: int = 10) -> float:
     """ms to issue one forward's ops with almost no arithmetic (the same layers and heads at
     head_dim 2, one token): paid by every eager step whatever its sizes, not by a replay."""
@@ -282,7 +294,8 @@ GPU_SHAPES = (*[prefill(s) for s in (16, 64, 256, 1024, 4096)],
 def record(device="cuda", config: ModelConfig | None = None,
            shapes: Sequence[ForwardShape] | None = None, engine: dict | None = None) -> dict:
     """`make record`: bench_1b (bf16) on the roofline eager and replayed, op-issue floors,
-    profiles of an eager decode and long prefill, and ``chunked_prefill.record_engine``."""
+    profiles of an eager decode and long prefill, the same points and decode profile with the
+    fused layer ops (``fused``), and ``chunked_prefill.record_engine``."""
     from labkit import chunked_prefill, peaks
     from labkit.profile import trace
 
@@ -292,8 +305,16 @@ def record(device="cuda", config: ModelConfig | None = None,
     points = measure(model, shapes, MODES if dev.type == "cuda" else ("eager",))
     prefills, decodes = ([s for s in shapes if s.kind == k] for k in KINDS)
     profiled = prefills[-1:] + decodes[:1]  # as listed: the longest prefill, smallest decode
+    model.fused_ops = True
+    try:
+        fused = {"points": measure(model, shapes, MODES if dev.type == "cuda" else ("eager",))
+                 .to_dict(orient="list"),
+                 "profiles": {s.name: trace(forward_step(model, s), device=dev).summary
+                              for s in decodes[:1]}}
+    finally:
+        model.fused_ops = False
     return {"config": config.to_dict(), "peaks": peaks.measure(dev, quick=dev.type != "cuda"),
-            "points": points.to_dict(orient="list"),
+            "points": points.to_dict(orient="list"), "fused": fused,
             "issue_floor_ms": {k: op_issue_floor(model, k) for k in KINDS},
             "profiles": {s.name: trace(forward_step(model, s), device=dev).summary
                          for s in profiled},

@@ -81,6 +81,10 @@ def test_the_fused_model_gives_the_eager_logits():
     close(model(ids), eager, torch.float32, "logits")
 
 
+def test_fused_ops_are_off_by_default_without_cuda_graphs():
+    assert not LLM(ModelConfig.tiny(), device="cpu", dtype=torch.float32).model.fused_ops
+
+
 def test_an_engine_with_fused_ops_generates_the_same_tokens():
     prompts = [[random.randrange(256) for _ in range(n)] for n in (5, 17, 1, 30)]
     params = SamplingParams(max_tokens=6)
@@ -109,8 +113,11 @@ def test_gpu_fused_ops_bf16_and_graphs():
     prompts = [[random.randrange(256) for _ in range(n)] for n in (5, 17, 1, 30, 9, 3, 40)]
     params = SamplingParams(max_tokens=12)
     cfg = ModelConfig.tiny(torch_dtype="float32")
-    plain = LLM(cfg, device="cuda").generate(prompts, params)
-    fused = LLM(cfg, device="cuda", fused_ops=True)
+    plain = LLM(cfg, device="cuda", fused_ops=False).generate(prompts, params)
+    fused = LLM(cfg, device="cuda")
+    assert fused.model.fused_ops, "with CUDA Graphs the fused ops are the default"
     assert [o.token_ids for o in fused.generate(prompts, params)] == \
         [o.token_ids for o in plain]
     assert fused.stats.num_graph_steps > 0
+    assert not LLM(cfg, device="cuda", enforce_eager=True).model.fused_ops, (
+        "launched eagerly, the fused Triton kernels cost more host time than they save")

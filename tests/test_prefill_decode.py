@@ -254,7 +254,13 @@ def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
         max_tokens=3, num_running=2, running_tokens=6, long_prompt=32, chunk_budget=8,
         arrive_after=2, kv_cache_memory=None))
     data = json.loads(json.dumps(data, allow_nan=False))  # plain JSON, no NaN
-    assert {"config", "peaks", "points", "issue_floor_ms", "profiles", "engine"} <= set(data)
+    assert {"config", "peaks", "points", "issue_floor_ms", "profiles", "engine",
+            "fused"} <= set(data)
+    fused = pd.DataFrame(data["fused"]["points"])
+    assert fused["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
+    assert set(data["fused"]["profiles"]) == {"decode B=2 ctx 16"}
+    gain = pdc.fused_gain(pd.DataFrame(data["points"]), fused, copy_gbps=100.0)
+    assert len(gain) == 2 and (gain.speedup > 0).all() and (gain.ms_fused == fused.ms).all()
     assert pd.DataFrame(data["points"])["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
     assert set(data["issue_floor_ms"]) == {"prefill", "decode"}
     assert set(data["profiles"]) == {"prefill S=16", "decode B=2 ctx 16"}

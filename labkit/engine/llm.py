@@ -120,8 +120,11 @@ class LLM:
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` requests. ``backend``: "auto"
     or a name of ``labkit.attention.BACKENDS``; ``enforce_eager`` turns CUDA Graphs off.
     ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
-    ``fused_ops`` runs each layer's small ops as three fused Triton kernels (off by default
-    until measured on a GPU; on CPU they run in Triton's interpreter).
+    ``fused_ops`` runs each layer's small ops as three fused Triton kernels (default: on with
+    CUDA Graphs, i.e. CUDA and not ``enforce_eager``; H200, 1.1B bf16: a replayed decode step
+    of batch 1 took 1.20 ms fused vs 2.04 ms, the engine benchmark 1.35x the tokens/s; launched
+    eagerly the fused step was slower, 12.2 vs 9.7 ms, Triton's launches costing more host time
+    than the small kernels they replace. On CPU they run in Triton's interpreter).
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,
@@ -132,7 +135,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  device: str | torch.device = "auto", dtype: torch.dtype | None = None,
                  seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None,
-                 fused_ops: bool = False):
+                 fused_ops: bool | None = None):
         self.device = select_device(device)
         if isinstance(model, LlamaModel):
             self.model = model
@@ -144,8 +147,10 @@ class LLM:
             raise TypeError(f"model must be a checkpoint folder, a ModelConfig or a LlamaModel, "
                             f"got {type(model).__name__}")
         self.model.eval()
-        self.model.fused_ops = bool(fused_ops)  # before the runner captures its graphs
         self.device = self.model.embed_tokens.device  # a LlamaModel given stays where it is
+        if fused_ops is None:
+            fused_ops = self.device.type == "cuda" and not enforce_eager
+        self.model.fused_ops = bool(fused_ops)  # before the runner captures its graphs
         self.config = self.model.config
         self.tokenizer = tokenizer
         self.runner = ModelRunner(
