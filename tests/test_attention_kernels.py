@@ -171,14 +171,17 @@ def test_paged_large_head_dims(head_dim):
 @settings(max_examples=6, deadline=None)
 @given(seqs=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 60)), min_size=1, max_size=4),
        heads=HEADS, block_size=st.sampled_from([16, 32, 64]),
-       num_splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**31))
-def test_paged_on_random_mixed_batches(seqs, heads, block_size, num_splits, seed):
+       num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_paged_on_random_mixed_batches(seqs, heads, block_size, num_splits, prefetch, seed):
     lens_q = [q for q, _ in seqs]
     seq_lens = [max(q, 1) + extra for q, extra in seqs]  # the cache holds the new tokens too
     args = paged(lens_q, seq_lens, *heads, 64, block_size, torch.float32, seed)
-    err = max_err(paged_attention(*args, num_splits=num_splits), paged_attention_ref(*args))
+    out = paged_attention(*args, num_splits=num_splits, tuning={"prefetch": prefetch})
+    err = max_err(out, paged_attention_ref(*args))
     assert err < 2e-4, (f"new tokens {lens_q} over {seq_lens}, heads {heads}, block "
-                        f"{block_size}, splits {num_splits}: max error {err:.2e}")
+                        f"{block_size}, splits {num_splits}, prefetch {prefetch}: max error "
+                        f"{err:.2e}")
 
 
 def quantise_fp8(cache):
@@ -186,16 +189,21 @@ def quantise_fp8(cache):
     return (cache.float() / scale[:, None]).to(FP8), scale
 
 
-def test_paged_fp8_cache_matches_reference_on_the_same_fp8_values():
+@pytest.mark.parametrize("prefetch, window, num_splits", [
+    (True, None, 1), (False, None, 1), (True, 13, 1), (True, None, 3)])
+def test_paged_fp8_cache_matches_reference_on_the_same_fp8_values(prefetch, window, num_splits):
     seed = fresh_seed()
-    q, k, v, table, cu, lens = paged([1, 3], [40, 21], 4, 2, 64, 16, torch.float32, seed)
+    q, k, v, table, cu, lens = paged([1, 3, 2], [40, 21, 70], 4, 2, 64, 16, torch.float32, seed)
     (k8, k_scale), (v8, v_scale) = quantise_fp8(k), quantise_fp8(v)
     args = (q, k8, v8, table, cu, lens)
-    err = max_err(paged_attention(*args, k_scale=k_scale, v_scale=v_scale),
-                  paged_attention_ref(*args, k_scale=k_scale, v_scale=v_scale))
+    out = paged_attention(*args, k_scale=k_scale, v_scale=v_scale, window=window,
+                          num_splits=num_splits, tuning={"prefetch": prefetch})
+    err = max_err(out, paged_attention_ref(*args, k_scale=k_scale, v_scale=v_scale,
+                                           window=window))
     # The fp8 path multiplies in float16 (q and the probabilities rounded to 11 bits), so the
     # bound is float16's rounding, not float32's: still 100x below what a wrong scale costs.
-    assert err < 2e-3, f"seed {seed}: fp8 cache max error {err:.2e}"
+    assert err < 2e-3, (f"seed {seed}: fp8 cache, prefetch {prefetch}, window {window}, "
+                        f"{num_splits} splits: max error {err:.2e}")
 
 
 def test_merge_of_splits_matches_its_formula_including_empty_splits():
@@ -296,15 +304,17 @@ def test_gpu_paged_bf16_mixed_batch_relative_error_below_1e_2(block_size, num_sp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gpu_paged_fp8_cache_relative_error_below_1e_2(head_dim):
+@pytest.mark.parametrize("num_splits", [1, None, 5])
+def test_gpu_paged_fp8_cache_relative_error_below_1e_2(head_dim, num_splits):
     seed = fresh_seed()
-    q, k, v, table, cu, lens = paged([1, 1, 3], [3000, 100, 512], 16, 4, head_dim, 16,
+    q, k, v, table, cu, lens = paged([1, 1, 3, 40], [3000, 100, 512, 777], 16, 4, head_dim, 16,
                                      torch.bfloat16, seed, "cuda")
     (k8, k_scale), (v8, v_scale) = quantise_fp8(k), quantise_fp8(v)
     args = (q, k8, v8, table, cu, lens)
-    err = rel_err(paged_attention(*args, k_scale=k_scale, v_scale=v_scale),
+    err = rel_err(paged_attention(*args, k_scale=k_scale, v_scale=v_scale,
+                                  num_splits=num_splits),
                   paged_attention_ref(*args, k_scale=k_scale, v_scale=v_scale))
-    assert err < 1e-2, f"seed {seed}: fp8 D{head_dim}: {err:.2e}"
+    assert err < 1e-2, f"seed {seed}: fp8 D{head_dim} splits {num_splits}: {err:.2e}"
 
 
 def test_unchecked_calls_give_the_same_answer_when_the_metadata_is_right():
