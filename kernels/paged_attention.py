@@ -275,6 +275,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     else:
         dest, lse, lse_strides = out, out, (0, 0)
     scale = softmax_scale(scale, head_dim)
+    # One new token per sequence (decode) sees every cached key: a causal mask would compare
+    # each key with its position and keep them all, so the kernel is built without it.
+    causal_mask = bool(causal) and max_query_len > 1
     dummy = torch.empty(1, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -284,7 +287,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
         dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
         scale * math.log2(math.e), scale, window or 0, num_splits, keys_per_split,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, CAUSAL=bool(causal), WINDOW=window is not None, SCALED=fp8,
+        BLOCK_SIZE=block_size, CAUSAL=causal_mask, WINDOW=window is not None, SCALED=fp8,
         SPLIT=split, PREFETCH=prefetch, **launch)
     if split:
         merge_splits(partial, lse, out)
