@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
+from labkit.bench import TritonCompiles
 from labkit.device import describe, fingerprint
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
 
@@ -133,11 +134,12 @@ def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
         llm.generate(warm, [SamplingParams(max_tokens=1 + k % 8) for k in range(len(warm))])
         before = llm.stats
         params = [SamplingParams(max_tokens=n) for n in olens]  # greedy, no stop tokens
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        if llm.device.type == "cuda":
-            torch.cuda.synchronize(llm.device)
-        seconds = time.perf_counter() - t0
+        with TritonCompiles() as compiles:  # should stay 0: the warm-up compiled them
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            if llm.device.type == "cuda":
+                torch.cuda.synchronize(llm.device)
+            seconds = time.perf_counter() - t0
         errors = [f"request {o.index}: {o.error}" for o in outs if o.error]
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -150,7 +152,8 @@ def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
             graph_steps=after.num_graph_steps - before.num_graph_steps,
             steps=after.num_steps - before.num_steps,
             preemptions=after.preemptions - before.preemptions,
-            prefix_hit_rate=round(hits / admitted, 4) if admitted else 0.0), \
+            prefix_hit_rate=round(hits / admitted, 4) if admitted else 0.0,
+            triton_compiles=compiles.count), \
             [o.token_ids for o in outs]
     finally:
         del llm
@@ -361,7 +364,9 @@ def _report(results, wl: Workload) -> None:
             continue
         print(f"{name:<17}{s['output_tokens']:>9,}{s['seconds']:>10.2f}{s['tokens_per_s']:>11,.0f}"
               f"{s['ttft_median_ms'] or float('nan'):>10.1f}"
-              f"{s['tpot_median_ms'] or float('nan'):>10.2f}")
+              f"{s['tpot_median_ms'] or float('nan'):>10.2f}"
+              + (f"  ({s['triton_compiles']} Triton compiles inside the clock)"
+                 if s.get("triton_compiles") else ""))
     ratio = results["ratio_vs_transformers"]
     if ratio is not None:
         verdict = "meets" if ratio >= 2 else "misses"

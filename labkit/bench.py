@@ -135,3 +135,38 @@ def gbps(nbytes: float, t: Timing) -> float:
 
 def tflops(flops: float, t: Timing) -> float:
     return flops / (t.median_us * 1e-6) / 1e12
+
+
+class TritonCompiles:
+    """Counts Triton JIT compiles while active (``with TritonCompiles() as c: ...``; then
+    ``c.count`` and ``c.kernels``, the kernel names in order). A compile inside a timed region
+    is a first-use cost, not the steady speed: a GPU compiles a new variant of a kernel for
+    every new combination of its compile-time constants (tile sizes chosen from the lengths,
+    integers specialised as 1 or a multiple of 16). Under Triton's interpreter nothing is
+    compiled and the count stays 0. Hooks chain: a hook installed before keeps running."""
+
+    def __init__(self):
+        self.kernels: list[str] = []
+        self._previous = None
+
+    @property
+    def count(self) -> int:
+        return len(self.kernels)
+
+    def _hook(self, *, fn, **kwargs):
+        self.kernels.append(fn.name)
+        if self._previous is not None:
+            return self._previous(fn=fn, **kwargs)
+        return None
+
+    def __enter__(self) -> "TritonCompiles":
+        from triton import knobs
+
+        self._previous = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_post_compile_hook = self._previous

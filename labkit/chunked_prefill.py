@@ -25,6 +25,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from labkit.bench import TritonCompiles
 from labkit.engine import LLM, SamplingParams
 
 
@@ -43,7 +44,8 @@ def _warm_up(llm: LLM) -> None:
 def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 16,
                   seed: int = 0) -> pd.DataFrame:
     """For each (batch, prompt_len): ``batch`` requests arriving at once; mean and worst TTFT,
-    mean TPOT (ms). Every case runs once untimed first (other token ids, two tokens out): a
+    mean TPOT (ms), and the Triton compiles that still happened inside the timed run (0 under
+    the interpreter). Every case runs once untimed first (other token ids, two tokens out): a
     GPU compiles Triton kernel variants for new lengths on first use, and a TTFT must not
     include a compile (on an H200 one did: 811 ms for a single 512-token prompt)."""
     bad = [(n, c) for n, c in enumerate(cases) if min(c) < 1]
@@ -56,8 +58,9 @@ def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 
                      SamplingParams(max_tokens=2))
     rows = []
     for n, (batch, prompt_len) in enumerate(cases):
-        outs = llm.generate(random_prompts(batch, prompt_len, vocab, seed + n),
-                            SamplingParams(max_tokens=max_tokens))
+        with TritonCompiles() as compiles:
+            outs = llm.generate(random_prompts(batch, prompt_len, vocab, seed + n),
+                                SamplingParams(max_tokens=max_tokens))
         bad = [o.error for o in outs if not o.ok]
         if bad:
             raise ValueError(f"case (batch {batch}, prompt {prompt_len}) was refused: {bad[0]}")
@@ -65,7 +68,8 @@ def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 
         tpot = pd.Series([o.tpot_s for o in outs if o.tpot_s is not None]) * 1e3
         rows.append({"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
                      "ttft_ms": ttft.mean(), "ttft_max_ms": ttft.max(),
-                     "tpot_ms": tpot.mean() if len(tpot) else float("nan")})
+                     "tpot_ms": tpot.mean() if len(tpot) else float("nan"),
+                     "triton_compiles": compiles.count})
     return pd.DataFrame(rows)
 
 
@@ -92,18 +96,20 @@ class Interference:
     #                             prompt arrived), gap_ms (since that request's previous token)
     steps: pd.DataFrame         # llm.history_table() rows of this run
     long_ttft_ms: float
+    triton_compiles: int | None = None  # during the timed run (None: not counted)
 
     def to_dict(self) -> dict:
         """Plain JSON: missing values (an eager step's graph_batch) as None, not NaN."""
         def plain(df):
             return df.astype(object).where(df.notna(), None).to_dict(orient="list")
         return {"chunked": self.chunked, "budget": self.budget, "long_ttft_ms": self.long_ttft_ms,
-                "gaps": plain(self.gaps), "steps": plain(self.steps)}
+                "gaps": plain(self.gaps), "steps": plain(self.steps),
+                "triton_compiles": self.triton_compiles}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Interference":
         return cls(d["chunked"], d["budget"], pd.DataFrame(d["gaps"]), pd.DataFrame(d["steps"]),
-                   d["long_ttft_ms"])
+                   d["long_ttft_ms"], d.get("triton_compiles"))
 
     @property
     def worst_gap_ms(self) -> float:
@@ -124,20 +130,10 @@ class Interference:
         return float(before.median()) if len(before) else float("nan")
 
 
-def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int = 16,
-                     running_tokens: int = 32, long_prompt_len: int = 512,
-                     arrive_after_steps: int = 4, seed: int = 0) -> Interference:
-    """``num_running`` short requests start decoding; after ``arrive_after_steps`` steps a prompt
-    of ``long_prompt_len`` tokens arrives; step until all finish."""
-    if arrive_after_steps >= running_tokens - 2:
-        raise ValueError(f"arrive_after_steps={arrive_after_steps} leaves the running requests "
-                         f"(running_tokens={running_tokens}) no tokens to show the stall on; "
-                         "raise running_tokens or arrive earlier")
-    if llm.has_unfinished_requests():
-        raise RuntimeError("interference_run needs an idle engine: finish its requests first")
-    sched, vocab = llm.scheduler.config, llm.config.vocab_size
-    _warm_up(llm)
-    first_step = len(llm.step_history)
+def _scenario(llm: LLM, num_running: int, running_prompt_len: int, running_tokens: int,
+              long_prompt_len: int, arrive_after_steps: int, seed: int):
+    """Run the scenario; returns (outputs, t0, t_long, running ids, long id)."""
+    vocab = llm.config.vocab_size
     outputs = {}
     t0 = time.perf_counter()  # the running requests arrive now
     running = [llm.add_request(p, SamplingParams(max_tokens=running_tokens))
@@ -152,6 +148,30 @@ def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int 
     errors = [o.error for o in outputs.values() if not o.ok]
     if errors:
         raise ValueError(f"a request was refused: {errors[0]}")
+    return outputs, t0, t_long, running, long_id
+
+
+def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int = 16,
+                     running_tokens: int = 32, long_prompt_len: int = 512,
+                     arrive_after_steps: int = 4, seed: int = 0) -> Interference:
+    """``num_running`` short requests start decoding; after ``arrive_after_steps`` steps a prompt
+    of ``long_prompt_len`` tokens arrives; step until all finish. The same scenario runs once
+    untimed first (other token ids), so the kernels of its step shapes are compiled before the
+    timed run; ``triton_compiles`` counts any that still happen inside it."""
+    if arrive_after_steps >= running_tokens - 2:
+        raise ValueError(f"arrive_after_steps={arrive_after_steps} leaves the running requests "
+                         f"(running_tokens={running_tokens}) no tokens to show the stall on; "
+                         "raise running_tokens or arrive earlier")
+    if llm.has_unfinished_requests():
+        raise RuntimeError("interference_run needs an idle engine: finish its requests first")
+    sched = llm.scheduler.config
+    shape = (num_running, running_prompt_len, running_tokens, long_prompt_len,
+             arrive_after_steps)
+    _warm_up(llm)
+    _scenario(llm, *shape, seed=seed + 1000)  # the rehearsal
+    first_step = len(llm.step_history)
+    with TritonCompiles() as compiles:
+        outputs, t0, t_long, running, long_id = _scenario(llm, *shape, seed=seed)
     rows = []
     for rid in running:
         times = [(t0 + t - t_long) * 1e3 for t in outputs[rid].token_times_s]
@@ -159,7 +179,8 @@ def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int 
                  for k, (prev, t) in enumerate(zip(times, times[1:]))]
     steps = llm.history_table().iloc[first_step:].reset_index(drop=True)
     return Interference(sched.enable_chunked_prefill, sched.max_num_batched_tokens,
-                        pd.DataFrame(rows), steps, outputs[long_id].ttft_s * 1e3)
+                        pd.DataFrame(rows), steps, outputs[long_id].ttft_s * 1e3,
+                        compiles.count)
 
 
 def summary_table(runs: Sequence[Interference]) -> pd.DataFrame:
@@ -168,6 +189,7 @@ def summary_table(runs: Sequence[Interference]) -> pd.DataFrame:
         "steady gap (ms)": r.steady_gap_ms, "gap during the prefill (ms)": r.prefill_gap_ms,
         "worst gap after arrival (ms)": r.worst_gap_ms,
         "long prompt TTFT (ms)": r.long_ttft_ms, "steps": len(r.steps),
+        "Triton compiles in the run": r.triton_compiles,
         "mixed steps": int(((r.steps.num_prefill_tokens > 0)
                             & (r.steps.num_decode_tokens > 0)).sum())} for r in runs])
 

@@ -62,3 +62,42 @@ def test_gpu_timing_uses_events_and_sees_the_kernel_not_the_launch():
     clock_hz = torch.cuda.clock_rate() * 1e6 if hasattr(torch.cuda, "clock_rate") else 2e9
     assert t.method == "cuda events"
     assert t.median_us > 0.5 * cycles / clock_hz * 1e6, f"{t} is shorter than the kernel"
+
+
+def test_triton_compiles_counts_what_the_post_compile_hook_reports_and_chains():
+    # On a CPU Triton interprets and never compiles, so drive the hook as Triton's JIT does
+    # after each compile (the GPU check sees real ones).
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    earlier = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: earlier.append(kw["fn"].name)
+    try:
+        with bench.TritonCompiles() as c:
+            for name in ("_paged_attention_kernel", "_rope_kernel"):
+                knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name=name), key=None)
+        assert (c.count, c.kernels) == (2, ["_paged_attention_kernel", "_rope_kernel"])
+        assert earlier == c.kernels, "a hook installed before keeps running"
+        assert knobs.runtime.jit_post_compile_hook is not None
+        knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="after"), key=None)
+        assert c.count == 2, "nothing is counted once the block is left"
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+
+
+@pytest.mark.gpu
+def test_triton_compiles_sees_a_real_compile_once_per_variant():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fill(X, N: tl.constexpr):
+        tl.store(X + tl.arange(0, N), 1.0)
+
+    x = torch.zeros(32, device="cuda")
+    with bench.TritonCompiles() as c:
+        fill[(1,)](x, N=16)
+        fill[(1,)](x, N=16)   # cached: no second compile
+        fill[(1,)](x, N=32)   # a new constexpr: a new variant
+    assert c.count == 2, c.kernels

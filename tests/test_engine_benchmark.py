@@ -82,6 +82,7 @@ def test_shared_system_prompt_is_served_from_the_prefix_cache(quick):
     s = quick[0]["sections"]
     assert s["prefix_cached"]["prefix_hit_rate"] > 0.3, s["prefix_cached"]
     assert s["prefix_uncached"]["prefix_hit_rate"] == 0.0 == s["labkit"]["prefix_hit_rate"]
+    assert all(sec["triton_compiles"] == 0 for name, sec in s.items() if name != "transformers")
 
 
 def test_csv_and_json_hold_one_row_per_section(quick):

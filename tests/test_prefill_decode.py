@@ -184,6 +184,7 @@ def test_latency_sweep_measures_every_case(tiny_model):
     assert list(df.batch) == [1, 3]
     assert (df.ttft_ms > 0).all() and (df.tpot_ms > 0).all()
     assert (df.ttft_max_ms >= df.ttft_ms).all()
+    assert (df.triton_compiles == 0).all(), "the interpreter compiles nothing"
 
 
 def test_latency_sweep_refuses_an_empty_case(tiny_model):
@@ -200,6 +201,22 @@ def two_runs(tiny_model):
                               num_running=2, running_tokens=10, long_prompt_len=60,
                               arrive_after_steps=3)
     return on, off
+
+
+def test_the_untimed_rehearsal_runs_the_same_step_shapes_as_the_timed_run(tiny_model):
+    # The rehearsal exists so that every kernel variant the timed run needs is compiled
+    # before the clock: it is only worth that if its steps have the timed run's shapes.
+    llm = _engine(tiny_model, max_num_batched_tokens=16)
+    run = cp.interference_run(llm, num_running=2, running_tokens=10, long_prompt_len=60,
+                              arrive_after_steps=3)
+    history = llm.history_table()
+    cols = ["num_prefill_tokens", "num_decode_tokens"]
+    timed = run.steps[cols].reset_index(drop=True)
+    rehearsal = history.iloc[len(history) - 2 * len(timed):len(history) - len(timed)][cols]
+    pd.testing.assert_frame_equal(rehearsal.reset_index(drop=True), timed)
+    assert run.triton_compiles == 0, "the interpreter compiles nothing"
+    again = cp.Interference.from_dict(json.loads(json.dumps(run.to_dict())))
+    assert again.triton_compiles == 0 and len(again.steps) == len(run.steps)
 
 
 def test_without_chunking_one_step_holds_the_whole_prompt(two_runs):

@@ -63,3 +63,21 @@ def test_label_reads_back_from_a_valid_file(tmp_path, monkeypatch):
     label = recorded.load("demo").label
     assert label.startswith("Recorded on NVIDIA H200") and "2026-11-29" in label
     assert "abcdef1234" in label
+
+
+def test_make_record_skips_what_needs_more_gpus_but_refuses_it_by_name(monkeypatch, capsys):
+    from labkit import record
+    from labkit.tensor_parallel import NeedsMoreGPUs
+
+    def two_gpus_only():
+        raise NeedsMoreGPUs("tp_overlap needs 2 GPUs; this machine has 1")
+
+    saved = []
+    monkeypatch.setattr(record, "RECORDERS", {"one": "x:one", "tp": "x:tp"})
+    monkeypatch.setattr(record, "_resolve", lambda spec: two_gpus_only if spec == "x:tp"
+                        else (lambda: {"ok": 1}))
+    monkeypatch.setattr(record.recorded, "save", lambda name, data: saved.append(name) or name)
+    assert record.main([]) == 0 and saved == ["one"]
+    assert "skipped  tp" in capsys.readouterr().out
+    with pytest.raises(NeedsMoreGPUs, match="needs 2 GPUs"):
+        record.main(["tp"])
