@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import json
 import statistics
 import tempfile
@@ -41,6 +40,7 @@ import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit.bench import TritonCompiles
 from labkit.device import describe, fingerprint
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
+from labkit.transformers_peer import release, run_transformers, summary
 
 SECTIONS = ("labkit", "labkit_unfused", "labkit_eager", "prefix_cached", "prefix_uncached",
             "transformers")
@@ -98,23 +98,6 @@ class Workload:
         return prompts, olens, system
 
 
-def _median_ms(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values) * 1e3, 3) if values else None
-
-
-def _summary(tokens: int, seconds: float, ttfts, tpots, **extra) -> dict:
-    return {"output_tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds if seconds > 0 else None,
-            "ttft_median_ms": _median_ms(ttfts), "tpot_median_ms": _median_ms(tpots), **extra}
-
-
-def _release():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # --- labkit -----------------------------------------------------------------------------------
 
 def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
@@ -146,7 +129,7 @@ def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
         after = llm.stats
         hits = after.prefix_hit_tokens - before.prefix_hit_tokens
         admitted = hits + after.prefill_tokens - before.prefill_tokens
-        return _summary(
+        return summary(
             sum(len(o.token_ids) for o in outs), seconds, [o.ttft_s for o in outs],
             [o.tpot_s for o in outs], backend=llm.backend,
             graph_steps=after.num_graph_steps - before.num_graph_steps,
@@ -157,120 +140,7 @@ def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
             [o.token_ids for o in outs]
     finally:
         del llm
-        _release()
-
-
-# --- transformers -----------------------------------------------------------------------------
-
-class _StepClock:
-    """A stopping criterion that never stops (or stops after ``stop_after`` tokens, for warm-up)
-    and notes when each generated token exists: transformers calls it once per token."""
-
-    def __init__(self, device, stop_after: int | None = None):
-        self.device, self.stop_after, self.times = device, stop_after, []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
-        done = self.stop_after is not None and len(self.times) >= self.stop_after
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-
-def _forget_static_cache(hf) -> None:
-    """transformers keeps the largest static cache (or its length) of earlier calls to avoid a
-    recompile; each batch here gets a cache sized to itself, as a batch run alone would."""
-    for name in ("_cache", "_previous_max_cache_length"):
-        if hasattr(hf, name):
-            delattr(hf, name)
-
-
-def load_transformers(path, device, dtype, compile_forward: bool):
-    import transformers
-    from packaging.version import Version
-
-    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    hf = transformers.LlamaForCausalLM.from_pretrained(
-        path, attn_implementation="sdpa", **{dtype_kw: dtype}).to(device).eval()
-    gc_ = hf.generation_config
-    gc_.cache_implementation = "static"
-    gc_.eos_token_id, gc_.pad_token_id = None, 0
-    if not compile_forward:
-        gc_.disable_compile = True
-        how = "off (CPU or --quick)"
-    elif hasattr(hf, "_valid_auto_compile_criteria"):
-        # generate() itself compiles the decode forward over a static cache (CompileConfig,
-        # mode reduce-overhead); the prefill of each batch stays eager, as its shape varies.
-        how = f"transformers {transformers.__version__} auto-compile of the decode forward"
-    else:
-        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-        how = f"torch.compile(model.forward) (transformers {transformers.__version__})"
-    return hf, how
-
-
-def hf_batches(prompts, batch_size) -> list[list[int]]:
-    """Request indices grouped by similar prompt length (so little left padding)."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    return [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
-
-
-def _hf_generate(hf, prompts, max_new, clock):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):  # left padding: every row's last token is at the end
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    _forget_static_cache(hf)
-    with torch.no_grad():
-        out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), do_sample=False,
-                          max_new_tokens=max_new,
-                          stopping_criteria=[clock], eos_token_id=None, pad_token_id=0)
-    return out[:, width:].tolist()
-
-
-def run_transformers(path, prompts, olens, wl: Workload, device) -> tuple[dict, list[list[int]]]:
-    compile_forward = device.type == "cuda" and not wl.quick
-    hf, how = load_transformers(path, device, wl.torch_dtype, compile_forward)
-    print(f"  transformers: static cache, compile {how}, batches of {wl.hf_batch_size}")
-    try:
-        batches = hf_batches(prompts, wl.hf_batch_size)
-        if compile_forward:  # one compiled decode graph per batch shape, none left eager
-            import torch._dynamo
-            limit = getattr(torch._dynamo.config, "recompile_limit", None)
-            name = "recompile_limit" if limit is not None else "cache_size_limit"
-            setattr(torch._dynamo.config, name,
-                    max(getattr(torch._dynamo.config, name), 2 * len(batches) + 8))
-        for b in batches:  # compile for each batch's cache shape, off the clock
-            _hf_generate(hf, [prompts[i] for i in b], max(olens[i] for i in b),
-                         _StepClock(device, stop_after=5))
-        tokens: list[list[int] | None] = [None] * len(prompts)
-        ttfts, tpots = [None] * len(prompts), [None] * len(prompts)
-        wasted, batch_seconds = 0, []
-        t0 = time.perf_counter()
-        for b in batches:
-            clock = _StepClock(device)
-            start = time.perf_counter()
-            max_new = max(olens[i] for i in b)
-            out = _hf_generate(hf, [prompts[i] for i in b], max_new, clock)
-            for row, i in enumerate(b):  # only the request's own tokens are useful
-                n = olens[i]
-                tokens[i] = out[row][:n]
-                ttfts[i] = clock.times[0] - t0
-                tpots[i] = (clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 else None
-            wasted += sum(max_new - olens[i] for i in b)
-            batch_seconds.append(round(time.perf_counter() - start, 4))  # one slow batch: a recompile
-        seconds = time.perf_counter() - t0
-        short = [i for i, t in enumerate(tokens) if len(t) != olens[i]]
-        if short:
-            raise RuntimeError(f"transformers produced the wrong number of tokens for requests "
-                               f"{short[:5]}")
-        return _summary(sum(map(len, tokens)), seconds, ttfts, tpots, compile=how,
-                        batches=len(batches), wasted_tokens=wasted,
-                        batch_seconds=batch_seconds), tokens
-    finally:
-        del hf
-        _release()
+        release()
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -283,7 +153,7 @@ def _section(results, name, fn):
     except Exception as exc:  # noqa: BLE001  (a failed section is reported; the rest go on)
         print(f"  {name}: FAILED ({type(exc).__name__}: {str(exc)[:300]})")
         results["sections"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        _release()
+        release()
         return None
 
 
@@ -330,9 +200,12 @@ def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | N
         try:
             save_weights(model, tmp)
             del model
-            _release()
+            release()
             theirs = _section(results, "transformers",
-                              lambda: run_transformers(tmp, prompts, olens, wl, device))
+                              lambda: run_transformers(
+                                  tmp, prompts, olens, device=device, dtype=wl.torch_dtype,
+                                  batch_size=wl.hf_batch_size,
+                                  compile_forward=device.type == "cuda" and not wl.quick))
         except Exception as exc:  # noqa: BLE001
             results["sections"]["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  transformers: FAILED ({type(exc).__name__}: {exc})")
