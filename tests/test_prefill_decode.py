@@ -277,7 +277,9 @@ def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
     assert fused["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
     assert set(data["fused"]["profiles"]) == {"decode B=2 ctx 16"}
     gain = pdc.fused_gain(pd.DataFrame(data["points"]), fused, copy_gbps=100.0)
-    assert len(gain) == 2 and (gain.speedup > 0).all() and (gain.ms_fused == fused.ms).all()
+    assert len(gain) == 2 and (gain.ms_fused == fused.ms).all()
+    assert (gain.speedup == gain.ms / gain.ms_fused).all(), "speed-up: unfused time / fused"
+    assert (gain.share_of_copy_fused == fused.gbps / 100.0).all()
     assert pd.DataFrame(data["points"])["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
     assert set(data["issue_floor_ms"]) == {"prefill", "decode"}
     assert set(data["profiles"]) == {"prefill S=16", "decode B=2 ctx 16"}

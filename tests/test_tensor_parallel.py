@@ -263,6 +263,21 @@ def test_experiment_table_has_a_row_per_chunk_count_with_its_metrics(gloo_experi
     assert (table[["serial_us", "overlapped_us", "compute_us", "comm_us"]] > 0).all().all()
 
 
+def test_sweep_summary_reports_the_best_chunk_count_and_the_comm_stretch(gloo_experiment):
+    from labkit.tp_runner import sweep_summary
+
+    row = sweep_summary([gloo_experiment, gloo_experiment]).iloc[1]
+    table = gloo_experiment.table
+    best = table.loc[table.speedup.idxmax()]
+    assert (row.best_chunks, row.speedup) == (best.num_chunks, best.speedup)
+    assert row.of_pipeline == best.of_pipeline and row.ffn == 64
+    one = table[table.num_chunks == 1].iloc[0]
+    assert row.compute_over_comm == pytest.approx(one.compute_us / one.comm_us)
+    serial, overlapped = (gloo_experiment.trace(m).summary for m in ("serial", "overlapped"))
+    stretch = [overlapped[r]["comm_us"] / serial[r]["comm_us"] for r in ("rank 0", "rank 1")]
+    assert row.comm_stretch == pytest.approx(sum(stretch) / 2)
+
+
 def test_serial_trace_launches_its_all_reduce_after_the_last_matmul(gloo_experiment):
     s = gloo_experiment.trace("serial").summary
     for rank in (0, 1):
