@@ -46,13 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in RECORDERS]
     if unknown:
         parser.error(f"unknown recordings {unknown}; known: {list(RECORDERS)}")
-    from labkit.tensor_parallel import NeedsMoreGPUs
-
     for name in args.names or RECORDERS:
         t0 = time.perf_counter()
         try:
             data = _resolve(RECORDERS[name])()
-        except NeedsMoreGPUs as exc:
+        except recorded.NeedsMoreGPUs as exc:
             if args.names:  # asked for by name: say why it cannot be made here
                 raise
             print(f"skipped  {name:<20} (kept as committed): {exc}", flush=True)

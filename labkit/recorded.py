@@ -18,6 +18,11 @@ import torch
 
 from labkit.device import describe, fingerprint
 
+
+class NeedsMoreGPUs(RuntimeError):
+    """Raised by a recorder this host cannot run (too few GPUs): `make record` skips it."""
+
+
 DATA_DIR = Path(__file__).parent / "recorded_data"
 REQUIRED_FINGERPRINT = ("gpu", "driver", "cuda", "torch", "triton", "python")
 

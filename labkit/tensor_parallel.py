@@ -288,16 +288,14 @@ GPU_SHAPES = dict(tokens=8192, hidden=8192, dtype="bfloat16", chunk_counts=(1, 2
 GPU_FFN_SIZES = (2048, 8192, 28672)
 
 
-class NeedsMoreGPUs(RuntimeError):
-    """A recording that this host cannot make (`make record` skips it, and says so)."""
-
-
 def record() -> dict:
     """`make record` on a host with 2 GPUs: the sweep and the traces for each ffn size."""
+    from labkit.recorded import NeedsMoreGPUs
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < 2:
-        raise NeedsMoreGPUs(f"tp_overlap needs 2 GPUs (one rank per GPU, NCCL); this machine has "
-                           f"{gpus}. Run `python -m labkit.record tp_overlap` on a 2-GPU host.")
+        raise NeedsMoreGPUs(f"tp_overlap needs 2 GPUs (one rank per GPU, NCCL); this machine "
+                            f"has {gpus}. Run `python -m labkit.record tp_overlap` on a 2-GPU host.")
     runs = [run_experiment(TPExperiment(ffn=ffn, **GPU_SHAPES), world_size=2, backend="nccl")
             for ffn in GPU_FFN_SIZES]
     return {"runs": [r.to_dict() for r in runs],

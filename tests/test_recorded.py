@@ -67,7 +67,7 @@ def test_label_reads_back_from_a_valid_file(tmp_path, monkeypatch):
 
 def test_make_record_skips_what_needs_more_gpus_but_refuses_it_by_name(monkeypatch, capsys):
     from labkit import record
-    from labkit.tensor_parallel import NeedsMoreGPUs
+    from labkit.recorded import NeedsMoreGPUs
 
     def two_gpus_only():
         raise NeedsMoreGPUs("tp_overlap needs 2 GPUs; this machine has 1")

@@ -121,10 +121,11 @@ class LLM:
     or a name of ``labkit.attention.BACKENDS``; ``enforce_eager`` turns CUDA Graphs off.
     ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
     ``fused_ops`` runs each layer's small ops as three fused Triton kernels (default: on with
-    CUDA Graphs, i.e. CUDA and not ``enforce_eager``; H200, 1.1B bf16: a replayed decode step
-    of batch 1 took 1.20 ms fused vs 2.04 ms, the engine benchmark 1.35x the tokens/s; launched
-    eagerly the fused step was slower, 12.2 vs 9.7 ms, Triton's launches costing more host time
-    than the small kernels they replace. On CPU they run in Triton's interpreter).
+    CUDA Graphs, i.e. CUDA and not ``enforce_eager``). H200, 1.1B bf16: a replayed decode step
+    of batch 1 took 1.18 ms fused vs 2.00 ms, and the engine benchmark gained 1.14-1.35x in
+    tokens/s. Launched eagerly, two runs disagreed (fused 12.2 vs 9.7 ms in one, 5.6 vs 9.2 in
+    the other: the host's launch cost dominates there and varies), so the default asks for
+    graphs. On CPU the kernels run in Triton's interpreter.
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,
