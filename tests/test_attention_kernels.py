@@ -107,15 +107,49 @@ def test_flash_large_head_dims(head_dim):
 HEADS = st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (8, 2)])  # MHA, GQA and MQA
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
 @settings(max_examples=6, deadline=None)
 @given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
        heads=HEADS, window=st.one_of(st.none(), st.integers(1, 30)), seed=st.integers(0, 2**31))
-def test_flash_on_random_shapes(lens, heads, window, seed):
+def test_flash_on_random_shapes(tma, lens, heads, window, seed):
     lens_q = [q for q, _ in lens]
     lens_k = [k for _, k in lens]
     args = packed(lens_q, lens_k, *heads, 64, torch.float32, seed)
-    err = max_err(flash_attention(*args, window=window), flash_attention_ref(*args, window=window))
+    if sum(lens_k) == 0:  # no keys at all: nothing for a descriptor to describe
+        tma = None
+    err = max_err(flash_attention(*args, window=window, tma=tma),
+                  flash_attention_ref(*args, window=window))
     assert err < 2e-4, f"lengths {lens}, heads {heads}, window {window}: max error {err:.2e}"
+
+
+def test_flash_descriptors_read_q_k_v_sliced_from_one_fused_projection():
+    """A fused QKV projection gives q, k, v as views with a wide row stride: descriptors address
+    them as they are; a head_dim slice (heads not packed) falls back to pointers."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    lens = [23, 9]
+    qkv = torch.randn(sum(lens), 4 + 2 + 2, 32, generator=g)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    cu = cu_seqlens(lens)
+    ref = flash_attention_ref(q, k, v, cu, cu)
+    assert max_err(flash_attention(q, k, v, cu, cu, tma=True), ref) < 2e-4, f"seed {seed}"
+    wide = torch.randn(sum(lens), 4, 64, generator=g)[:, :, :32]  # stride(1) = 64, not 32
+    ref = flash_attention_ref(wide, k, v, cu, cu)
+    assert max_err(flash_attention(wide, k, v, cu, cu), ref) < 2e-4, f"seed {seed}: fallback"
+    with pytest.raises(ValueError, match="stride\\(1\\) == head_dim"):
+        flash_attention(wide, k, v, cu, cu, tma=True)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
+def test_flash_never_reads_the_next_sequence_into_this_one(tma):
+    """A key tile runs past a short sequence into its neighbour's rows (a descriptor loads whole
+    tiles): those rows must weigh exactly nothing, even when they hold inf."""
+    seed = fresh_seed()
+    q, k, v, cu_q, cu_k = packed([5, 3], [5, 30], 2, 1, 16, torch.float32, seed)
+    k[5:], v[5:] = float("inf"), float("inf")  # sequence 1's keys and values
+    out = flash_attention(q, k, v, cu_q, cu_k, tma=tma)
+    ref = flash_attention_ref(q[:5], k[:5], v[:5], cu_q[:2], cu_k[:2])
+    assert max_err(out[:5], ref) < 2e-4, f"seed {seed}: sequence 0 saw sequence 1's rows"
 
 
 # --- paged_attention (interpreter) ------------------------------------------------------------
@@ -283,11 +317,13 @@ def test_a_window_without_causal_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,hq,hkv,window", [(64, 8, 8, None), (128, 32, 8, None),
                                                      (128, 16, 2, 256), (256, 8, 1, None)])
-def test_gpu_flash_bf16_relative_error_below_1e_2(head_dim, hq, hkv, window):
+@pytest.mark.parametrize("tma", [None, False], ids=["auto", "pointers"])
+def test_gpu_flash_bf16_relative_error_below_1e_2(head_dim, hq, hkv, window, tma):
     seed = fresh_seed()
     lens_q, lens_k = [1000, 1, 0, 257, 129], [1000, 700, 5, 300, 129]
     args = packed(lens_q, lens_k, hq, hkv, head_dim, torch.bfloat16, seed, "cuda")
-    err = rel_err(flash_attention(*args, window=window), flash_attention_ref(*args, window=window))
+    err = rel_err(flash_attention(*args, window=window, tma=tma),
+                  flash_attention_ref(*args, window=window))
     assert err < 1e-2, f"seed {seed}: bf16 D{head_dim} {hq}/{hkv} window {window}: {err:.2e}"
 
 
