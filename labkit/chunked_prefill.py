@@ -45,9 +45,12 @@ def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 
                   seed: int = 0) -> pd.DataFrame:
     """For each (batch, prompt_len): ``batch`` requests arriving at once; mean and worst TTFT,
     mean TPOT (ms), and the Triton compiles that still happened inside the timed run (0 under
-    the interpreter). Every case runs once untimed first (other token ids, two tokens out): a
-    GPU compiles Triton kernel variants for new lengths on first use, and a TTFT must not
-    include a compile (on an H200 one did: 811 ms for a single 512-token prompt)."""
+    the interpreter; ``compiled`` names the kernels). Every case runs once untimed first, whole
+    (other token ids, as many tokens out): a GPU compiles Triton kernel variants for new shapes
+    on first use, and a TTFT must not include a compile (on an H200 one did: 811 ms for a
+    single 512-token prompt). A shorter rehearsal is not enough: with two tokens out, requests
+    never decoded together in the step shapes of the timed run, and an H200 recording still
+    compiled once inside each case of 16+ requests or 1,024+ prompt tokens (~400 ms each)."""
     bad = [(n, c) for n, c in enumerate(cases) if min(c) < 1]
     if bad:
         raise ValueError(f"case {bad[0][0]}: batch and prompt_len must be >= 1, got {bad[0][1]}")
@@ -55,7 +58,7 @@ def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 
     _warm_up(llm)
     for n, (batch, prompt_len) in enumerate(cases):
         llm.generate(random_prompts(batch, prompt_len, vocab, -2 - n),
-                     SamplingParams(max_tokens=2))
+                     SamplingParams(max_tokens=max_tokens))
     rows = []
     for n, (batch, prompt_len) in enumerate(cases):
         with TritonCompiles() as compiles:
@@ -69,7 +72,8 @@ def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 
         rows.append({"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
                      "ttft_ms": ttft.mean(), "ttft_max_ms": ttft.max(),
                      "tpot_ms": tpot.mean() if len(tpot) else float("nan"),
-                     "triton_compiles": compiles.count})
+                     "triton_compiles": compiles.count,
+                     "compiled": ", ".join(sorted(set(compiles.kernels)))})
     return pd.DataFrame(rows)
 
 
@@ -142,7 +146,7 @@ def _scenario(llm: LLM, num_running: int, running_prompt_len: int, running_token
         outputs.update({o.request_id: o for o in llm.step()})
     t_long = time.perf_counter()
     long_id = llm.add_request(random_prompts(1, long_prompt_len, vocab, seed + 1)[0],
-                              SamplingParams(max_tokens=2))
+                              SamplingParams(max_tokens=max_tokens))
     while llm.has_unfinished_requests():
         outputs.update({o.request_id: o for o in llm.step()})
     errors = [o.error for o in outputs.values() if not o.ok]

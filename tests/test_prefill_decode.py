@@ -187,6 +187,28 @@ def test_latency_sweep_measures_every_case(tiny_model):
     assert (df.triton_compiles == 0).all(), "the interpreter compiles nothing"
 
 
+def test_the_latency_sweep_rehearses_each_case_whole(tiny_model):
+    # A rehearsal with fewer tokens out never reaches the timed run's decode batches, and a
+    # GPU then compiles their kernel variants inside the clock (an H200 recording did).
+    llm = _engine(tiny_model, max_num_batched_tokens=16)
+    ends = []
+    generate = llm.generate
+
+    def counted(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        ends.append(len(llm.step_history))
+        return out
+
+    llm.generate = counted
+    df = cp.latency_sweep(llm, [(3, 12)], max_tokens=5)
+    cols = ["num_prefill_tokens", "num_decode_tokens"]
+    history = llm.history_table()[cols]
+    rehearsal, timed = history.iloc[ends[-3]:ends[-2]], history.iloc[ends[-2]:ends[-1]]
+    assert timed.num_decode_tokens.max() == 3, "the timed run decodes all three together"
+    pd.testing.assert_frame_equal(rehearsal.reset_index(drop=True), timed.reset_index(drop=True))
+    assert df.compiled.tolist() == [""], "the interpreter compiles nothing"
+
+
 def test_latency_sweep_refuses_an_empty_case(tiny_model):
     with pytest.raises(ValueError, match="batch and prompt_len"):
         cp.latency_sweep(_engine(tiny_model), [(0, 8)])
