@@ -146,7 +146,7 @@ def _scenario(llm: LLM, num_running: int, running_prompt_len: int, running_token
         outputs.update({o.request_id: o for o in llm.step()})
     t_long = time.perf_counter()
     long_id = llm.add_request(random_prompts(1, long_prompt_len, vocab, seed + 1)[0],
-                              SamplingParams(max_tokens=max_tokens))
+                              SamplingParams(max_tokens=2))
     while llm.has_unfinished_requests():
         outputs.update({o.request_id: o for o in llm.step()})
     errors = [o.error for o in outputs.values() if not o.ok]
