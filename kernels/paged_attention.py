@@ -220,6 +220,40 @@ def _num_sms(device) -> int:
     return 4  # the interpreter: small enough that the tests' small batches exercise the split
 
 
+def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: bool,
+              tuning: dict | None = None) -> tuple[dict, dict]:
+    """What ``paged_attention`` compiles for a batch: the kernel's tile constants (GROUP,
+    GROUP_P, BLOCK_Q, BLOCK_N, CAUSAL, SCALED, PREFETCH) and its launch options (num_warps,
+    num_stages, maxnreg). ``labkit.attention.sass`` compiles the same plan ahead of time to
+    read the machine code a GPU runs."""
+    group_p = triton.next_power_of_2(group)
+    row_cap = 32 if interpreter_on() else 64
+    block_q = min(triton.next_power_of_2(max_query_len), max(1, row_cap // group_p))
+    if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
+        group_p = max(group_p, 16)
+    block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
+    tuning = dict(tuning or {})
+    block_n = tuning.pop("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
+    # fp8 tiles: two warps keep more programs resident per SM, which is what a stream of
+    # half-size tiles needs (H200, B64 ctx 4k: 182 us with 2 warps, 274 us with 4).
+    launch = {"num_warps": tuning.pop("num_warps", 2 if fp8 else 4),
+              "num_stages": tuning.pop("num_stages", 3)}
+    if tuning.get("maxnreg") is not None:  # a cap on registers per thread (ptx .maxnreg)
+        launch["maxnreg"] = int(tuning.pop("maxnreg"))
+    tuning.pop("maxnreg", None)
+    prefetch = bool(tuning.pop("prefetch", fp8))
+    if tuning:
+        raise ValueError(f"unknown tuning keys {sorted(tuning)}; known: block_n, num_warps, "
+                         "num_stages, prefetch, maxnreg")
+    # One new token per sequence (decode) sees every cached key, so its causal mask keeps them
+    # all. fp8 decode is built without it: measured on an H200, Triton then pipelines the fp8
+    # K/V loads (B64 ctx 4k: 69% -> 72% of the copy bandwidth). bf16 keeps it: the same change
+    # slowed its split path (B1 at 32k tokens: 71% -> 57%).
+    causal_mask = bool(causal) and not (fp8 and max_query_len == 1)
+    return ({"GROUP": group, "GROUP_P": group_p, "BLOCK_Q": block_q, "BLOCK_N": block_n,
+             "CAUSAL": causal_mask, "SCALED": fp8, "PREFETCH": prefetch}, launch)
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *,
                     causal: bool = True, window: int | None = None, scale: float | None = None,
                     k_scale=None, v_scale=None, num_splits: int | None = None,
@@ -251,26 +285,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
         return out
 
     batch, num_q_heads = seq_lens.numel(), q.shape[1]
-    group = num_q_heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
-    row_cap = 32 if interpreter_on() else 64
-    block_q = min(triton.next_power_of_2(max_query_len), max(1, row_cap // group_p))
-    if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
-        group_p = max(group_p, 16)
-    block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
-    tuning = dict(tuning or {})
-    block_n = tuning.pop("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
-    # fp8 tiles: two warps keep more programs resident per SM, which is what a stream of
-    # half-size tiles needs (H200, B64 ctx 4k: 182 us with 2 warps, 274 us with 4).
-    launch = {"num_warps": tuning.pop("num_warps", 2 if fp8 else 4),
-              "num_stages": tuning.pop("num_stages", 3)}
-    if tuning.get("maxnreg") is not None:  # a cap on registers per thread (ptx .maxnreg)
-        launch["maxnreg"] = int(tuning.pop("maxnreg"))
-    tuning.pop("maxnreg", None)
-    prefetch = bool(tuning.pop("prefetch", fp8))
-    if tuning:
-        raise ValueError(f"unknown tuning keys {sorted(tuning)}; known: block_n, num_warps, "
-                         "num_stages, prefetch, maxnreg")
+    consts, launch = tile_plan(fp8, head_dim, num_q_heads // num_kv_heads, max_query_len,
+                               causal, tuning)
+    block_q, block_n = consts["BLOCK_Q"], consts["BLOCK_N"]
     q_tiles = triton.cdiv(max_query_len, block_q)
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_seq_len,
@@ -288,11 +305,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     else:
         dest, lse, lse_strides = out, out, (0, 0)
     scale = softmax_scale(scale, head_dim)
-    # One new token per sequence (decode) sees every cached key, so its causal mask keeps them
-    # all. fp8 decode is built without it: measured on an H200, Triton then pipelines the fp8
-    # K/V loads (B64 ctx 4k: 69% -> 72% of the copy bandwidth). bf16 keeps it: the same change
-    # slowed its split path (B1 at 32k tokens: 71% -> 57%).
-    causal_mask = bool(causal) and not (fp8 and max_query_len == 1)
     dummy = torch.empty(1, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -301,9 +313,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
         block_tables.stride(0),
         dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
         scale * math.log2(math.e), scale, window or 0, num_splits, keys_per_split,
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, CAUSAL=causal_mask, WINDOW=window is not None, SCALED=fp8,
-        SPLIT=split, PREFETCH=prefetch, **launch)
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, WINDOW=window is not None, SPLIT=split,
+        **consts, **launch)
     if split:
         merge_splits(partial, lse, out)
     return out
