@@ -33,15 +33,14 @@ import triton.language as tl
 
 import labkit  # noqa: F401  (interpreter on where there is no GPU)
 from labkit.device import interpreter_on
+from labkit.kernels.attention_checks import (check_cu_seqlens, check_heads_and_dtypes,
+                                             check_window, resolve_max_query_len,
+                                             softmax_scale)
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # an older Triton: pointers only
     TensorDescriptor = None
-
-
-HEAD_DIMS = (16, 32, 64, 128, 256)
-QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _set_tile_shapes(args):
@@ -190,86 +189,7 @@ def _flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
 
 
 # ---------------------------------------------------------------------------------------------
-# Host side: checks that turn bad input into an error a learner can act on, then the launch.
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def resolve_max_query_len(given, longest_q, cu_seqlens_q, name: str, what: str) -> int:
-    """The grid's query extent: ``given`` (checked against ``longest_q`` when that is known),
-    else read from ``cu_seqlens_q``, which needs a host sync and so is refused while capturing."""
-    if given is None:
-        if _capturing():
-            raise ValueError(f"pass {name} when capturing a CUDA Graph")
-        return longest_q if longest_q is not None else int(cu_seqlens_q.diff().max())
-    if longest_q is not None and given < longest_q:
-        raise ValueError(f"{name}={given} but a sequence has {longest_q} {what}: its later "
-                         f"{what} would get no output")
-    return given
-
-
-def check_heads_and_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_dims: int) -> None:
-    """Shared by the flash and paged wrappers: ranks, head counts, head dims, dtypes, devices."""
-    if q.dim() != 3 or k.dim() != k_dims or v.shape != k.shape:
-        raise ValueError(f"q must be [tokens, num_q_heads, head_dim] and k, v the same {k_dims}-D "
-                         f"shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[-2]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"q has head_dim {head_dim} but k/v have {k.shape[-1]}: they must match")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
-                         f"({num_kv_heads}): that is what GQA/MQA means")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}; pad the heads "
-                         "to the next size or use the sdpa backend")
-    if q.dtype not in QUERY_DTYPES:
-        raise TypeError(f"q must be one of {QUERY_DTYPES}, got {q.dtype}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("the head_dim axis of q, k and v must be contiguous (stride 1); "
-                         "call .contiguous() first")
-    if len({q.device, k.device, v.device}) != 1:
-        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-
-
-def check_cu_seqlens(cu: torch.Tensor, total: int, name: str, device,
-                     check: bool = True) -> int | None:
-    """int32 [batch + 1], from 0 to ``total``, never decreasing. Returns the longest sequence.
-
-    Reading values costs one host sync, so with ``check=False`` or under CUDA Graph capture only
-    the shape and dtype are checked and None is returned.
-    """
-    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != device:
-        raise ValueError(f"{name} must be int32 [batch + 1] on {device}, got {cu.dtype} "
-                         f"{tuple(cu.shape)} on {cu.device}")
-    if not check or _capturing():
-        return None
-    lens = cu.diff()
-    first, last, shortest, longest = torch.stack([cu[0], cu[-1], lens.min(), lens.max()]).tolist()
-    if first != 0 or last != total or shortest < 0:
-        host = cu[:8].tolist()
-        raise ValueError(f"{name} must start at 0, never decrease and end at the token count "
-                         f"{total}; got {host}{'...' if cu.numel() > 8 else ''} (last {last})")
-    return longest
-
-
-def softmax_scale(scale: float | None, head_dim: int) -> float:
-    """1/sqrt(head_dim) unless given; must be positive (the kernels scale the row maximum)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
-    return scale
-
-
-def check_window(causal: bool, window: int | None) -> None:
-    if window is None:
-        return
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int (keys each query sees), got {window!r}")
-    if not causal:
-        raise ValueError("window needs causal=True: a sliding window counts the most recent keys")
-
+# Host side: the input checks (attention_checks.py), the tensor descriptors, then the launch.
 
 def _descriptor(t: torch.Tensor):
     """``t`` [tokens, heads, D] seen as [tokens, heads * D] by the copy engine, or None where a

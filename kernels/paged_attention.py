@@ -40,13 +40,10 @@ import triton
 import triton.language as tl
 
 from labkit.device import interpreter_on
-from labkit.kernels.flash_attention import (_capturing, check_cu_seqlens,
-                                            check_heads_and_dtypes, check_window,
-                                            resolve_max_query_len, softmax_scale)
+from labkit.kernels.attention_checks import (check_cache, check_cu_seqlens, check_tables,
+                                             check_window, resolve_max_query_len,
+                                             softmax_scale)
 from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits
-
-FP8 = getattr(torch, "float8_e4m3fn", None)
-
 
 @triton.jit
 def _paged_attention_kernel(
@@ -148,71 +145,7 @@ def _paged_attention_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Host side.
-
-def _check_cache(q, k_cache, v_cache, k_scale, v_scale) -> bool:
-    """Returns whether the cache is fp8 (and so needs the scales)."""
-    check_heads_and_dtypes(q, k_cache, v_cache, k_dims=4)
-    if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    fp8 = FP8 is not None and k_cache.dtype == FP8
-    if not fp8 and k_cache.dtype != q.dtype:
-        raise TypeError(f"the KV cache must be q's dtype ({q.dtype}) or float8_e4m3fn, "
-                        f"got {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, block_size, "
-                         "num_kv_heads, head_dim] tensors; a sliced or transposed view would be "
-                         "addressed wrongly, so pass .contiguous() (or the cache itself)")
-    num_kv_heads = k_cache.shape[2]
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not fp8 and s is not None:
-            raise ValueError(f"{name} was given but the cache is {k_cache.dtype}: scales are "
-                             "for fp8 (e4m3) caches only")
-        if fp8 and (s is None or s.dtype != torch.float32 or tuple(s.shape) != (num_kv_heads,)
-                    or s.device != q.device):
-            raise ValueError(f"an fp8 cache needs {name} as float32 [num_kv_heads="
-                             f"{num_kv_heads}] on {q.device} (one scale per KV head), got "
-                             f"{None if s is None else (s.dtype, tuple(s.shape))}")
-    return fp8
-
-
-def _check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size, device,
-                  check: bool) -> int | None:
-    """Block table and lengths agree with the cache. Returns the longest sequence, reading the
-    values in ONE host sync; with ``check=False`` (or during graph capture) returns None."""
-    batch = cu_seqlens_q.numel() - 1
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or \
-            block_tables.shape[0] != batch or block_tables.stride(1) != 1 or \
-            block_tables.device != device:
-        raise ValueError(f"block_tables must be int32 [batch={batch}, max_blocks] on {device} "
-                         f"with contiguous rows, got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)} on {block_tables.device}")
-    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (batch,) or \
-            seq_lens.device != device:
-        raise ValueError(f"seq_lens must be int32 [batch={batch}] on {device}, got "
-                         f"{seq_lens.dtype} {tuple(seq_lens.shape)} on {seq_lens.device}")
-    if not check or _capturing():
-        return None
-    capacity = block_tables.shape[1] * block_size
-    used = torch.arange(block_tables.shape[1], device=device)[None, :] < \
-        ((seq_lens + block_size - 1) // block_size)[:, None]
-    ids = torch.cat([torch.where(used, block_tables, 0).flatten(),
-                     torch.zeros(1, dtype=torch.int32, device=device)])
-    spare = seq_lens - cu_seqlens_q.diff()  # cached tokens before the new ones
-    longest, fewest_spare, lowest, highest = torch.stack(
-        [seq_lens.max(), spare.min(), ids.min(), ids.max()]).tolist()
-    if longest > capacity or fewest_spare < 0:
-        b = int(((seq_lens > capacity) | (spare < 0)).int().argmax())
-        raise ValueError(
-            f"sequence {b}: seq_lens={int(seq_lens[b])} must be at least its "
-            f"{int(seq_lens[b] - spare[b])} new tokens and at most the block table's capacity "
-            f"{block_tables.shape[1]} blocks x {block_size} = {capacity}; widen block_tables "
-            "or fix seq_lens")
-    if lowest < 0 or highest >= num_blocks:
-        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) within "
-                         f"seq_lens (got {lowest}..{highest})")
-    return longest
-
+# Host side: the input checks (attention_checks.py), the tile plan, then the launch.
 
 def _num_sms(device) -> int:
     if device.type == "cuda":
@@ -270,11 +203,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     num_stages, prefetch (block ids one tile ahead; default on for fp8 caches) and maxnreg
     (registers per thread; default: the compiler's choice).
     """
-    fp8 = _check_cache(q, k_cache, v_cache, k_scale, v_scale)
+    fp8 = check_cache(q, k_cache, v_cache, k_scale, v_scale)
     check_window(causal, window)
     longest_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", q.device, check)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    max_seq_len = _check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size,
+    max_seq_len = check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size,
                                 q.device, check)
     if max_seq_len is None:  # unchecked: plan for the longest sequence the table can hold
         max_seq_len = block_tables.shape[1] * block_size
