@@ -1,17 +1,14 @@
 """The engine end to end: ``LLM.generate`` against transformers' own greedy generation.
 
-transformers builds a tiny Llama at random init and saves it with ``save_pretrained``; the LLM
-loads those files. Whatever the engine does on the way (batching prompts of different lengths,
-prefix caching, chunked prefill, preemption and recompute, another attention backend) the
-greedy tokens must be the ones transformers generates for each prompt alone. The init is wide
-(0.2) so logits spread out and no argmax is a near-tie that rounding could flip.
+The LLM loads a tiny Llama that transformers built and saved (tests/engine_peer.py). Whatever
+the engine does on the way (batching prompts of different lengths, prefix caching, chunked
+prefill, preemption and recompute, another attention backend) the greedy tokens must be the
+ones transformers generates for each prompt alone. The GPU runs: test_engine_llm_gpu.py.
 """
-import copy
 import logging
 
 import pytest
 import torch
-import transformers  # a test dependency: the peer the engine is checked against
 
 from labkit.engine import LLM, ModelConfig, ModelRunner, SamplingParams, random_model
 from labkit.engine.request import ScheduledStep, StepStats
@@ -22,55 +19,8 @@ from labkit.engine.sampling import sample, top_p_probs
 from labkit.graphs import GraphPool
 from labkit.kvcache import BlockManager
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
-            rope_theta=10000.0, rms_norm_eps=1e-6)
-LENGTHS = [5, 17, 1, 33, 12]   # not multiples of the block, one token, more than two blocks
-MAX_TOKENS = 10
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
-
-
-def make_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
-
-
-PROMPTS = make_prompts(LENGTHS)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    """(transformers model, checkpoint folder) at a wide random init."""
-    path = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **TINY, initializer_range=0.2)).eval()
-    hf.save_pretrained(path, safe_serialization=True)
-    return hf, path
-
-
-def hf_greedy(hf, prompt, max_new_tokens=MAX_TOKENS, device="cpu"):
-    ids = torch.tensor([prompt], device=device)
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def expected(hf_model):
-    """transformers' greedy tokens for each of PROMPTS, generated one prompt at a time."""
-    hf, _ = hf_model
-    return [hf_greedy(hf, p) for p in PROMPTS]
-
-
-def assert_same_tokens(outputs, expected, what):
-    for i, (out, want) in enumerate(zip(outputs, expected)):
-        assert out.error is None, f"{what}: prompt {i} failed: {out.error}"
-        assert out.token_ids == want, (
-            f"{what}: prompt {i} (length {len(out.prompt_token_ids)}) diverges from "
-            f"transformers:\n  engine       {out.token_ids}\n  transformers {want}")
-
+from engine_peer import (GREEDY, MAX_TOKENS, PROMPTS, TINY, assert_same_tokens,  # noqa: F401
+                         expected, hf_model, make_prompts)
 
 # --- greedy tokens equal transformers', whatever the engine does on the way ------------------
 
@@ -356,72 +306,3 @@ def test_triton_backend_runs_end_to_end_under_the_interpreter(hf_model, expected
     assert any(s.num_prefill_tokens and s.num_decode_tokens
                for s in (r.stats for r in llm.step_history)), "no mixed step"
     assert_same_tokens(outputs, [expected[2][:3], expected[0][:3]], "triton backend")
-
-
-# --- on a GPU ---------------------------------------------------------------------------------
-
-def hf_reference(hf, prompt, max_new_tokens=MAX_TOKENS):
-    """transformers' greedy tokens for one prompt on the GPU, with each step's logits."""
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new_tokens,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_scores=True, return_dict_in_generate=True)
-    return ref.sequences[0, len(prompt):].tolist(), [s[0] for s in ref.scores]
-
-
-def agree_until_a_near_tie(ours, ref_tokens, ref_scores, rel):
-    """``ours`` may leave ``ref_tokens`` only where the reference's top two logits were within
-    ``rel`` of its largest logit: rounding can flip such an argmax, and after it all differs."""
-    for t, (a, b) in enumerate(zip(ours, ref_tokens)):
-        if a != b:
-            top2 = ref_scores[t].float().topk(2).values
-            gap = (top2[0] - top2[1]).item()
-            assert gap <= rel * top2[0].abs().item(), (
-                f"token {t}: engine {a}, transformers {b}, where transformers' margin was "
-                f"{gap:.4f} of {top2[0].item():.3f}: no near-tie, so a real difference")
-            return
-    assert len(ours) == len(ref_tokens)
-
-
-@pytest.fixture(scope="module")
-def hf_cuda(hf_model):
-    return copy.deepcopy(hf_model[0]).to("cuda"), hf_model[1]
-
-
-# Triton's tl.dot runs float32 inputs as TF32, so even float32 attention is ~1e-3 off; the
-# tiny model's smallest greedy margin over PROMPTS is 8.5e-4 of the top logit.
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype, rel", [(torch.float32, 5e-3), (torch.bfloat16, 5e-2)],
-                         ids=["float32", "bf16"])
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_gpu_greedy_follows_transformers(hf_cuda, dtype, rel, eager):
-    hf, path = hf_cuda
-    llm = LLM(path, device="cuda", dtype=dtype, enforce_eager=eager)
-    assert llm.backend == "triton", llm.selection_log
-    outputs = llm.generate(PROMPTS, GREEDY)
-    for prompt, out in zip(PROMPTS, outputs):
-        agree_until_a_near_tie(out.token_ids, *hf_reference(hf, prompt), rel=rel)
-    assert (llm.stats.num_graph_steps > 0) != eager, llm.stats
-    assert llm.runner.staging.stats.copies == llm.stats.num_steps, "one metadata copy per step"
-
-
-# float32: in bf16 a padded batch (8 rows instead of 7) may pick another GEMM kernel whose
-# rounding flips a near-tie; that is graphs' padding at work, not an error.
-@pytest.mark.gpu
-def test_gpu_graphs_and_eager_give_identical_tokens(hf_cuda):
-    path = hf_cuda[1]
-    prompts = make_prompts([3, 40, 1, 17, 9, 64, 2], seed=9)  # 7 rows: bucket 8 pads one
-    params = SamplingParams(max_tokens=24)
-    graphs = LLM(path, device="cuda")
-    eager = LLM(path, device="cuda", enforce_eager=True)
-    a, b = graphs.generate(prompts, params), eager.generate(prompts, params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert graphs.stats.num_graph_steps > 0 and graphs.stats.padded_rows > 0, graphs.stats
-    assert eager.stats.num_graph_steps == 0 and eager.runner.graphs is None
-
-
-@pytest.mark.gpu
-def test_gpu_seeded_sampling_is_reproducible_with_graphs(hf_cuda):
-    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7)
-    a, b = (LLM(hf_cuda[1], device="cuda").generate(PROMPTS, params) for _ in range(2))
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
