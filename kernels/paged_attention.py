@@ -171,9 +171,9 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
     # half-size tiles needs (H200, B64 ctx 4k: 182 us with 2 warps, 274 us with 4).
     launch = {"num_warps": tuning.pop("num_warps", 2 if fp8 else 4),
               "num_stages": tuning.pop("num_stages", 3)}
-    if tuning.get("maxnreg") is not None:  # a cap on registers per thread (ptx .maxnreg)
-        launch["maxnreg"] = int(tuning.pop("maxnreg"))
-    tuning.pop("maxnreg", None)
+    maxnreg = tuning.pop("maxnreg", None)  # a cap on registers per thread (ptx .maxnreg)
+    if maxnreg is not None:
+        launch["maxnreg"] = int(maxnreg)
     prefetch = bool(tuning.pop("prefetch", fp8))
     if tuning:
         raise ValueError(f"unknown tuning keys {sorted(tuning)}; known: block_n, num_warps, "
