@@ -52,7 +52,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lab: venv
-	$(VPY) -m labkit.lab_server
+	$(VPY) -m labkit.tools.lab_server
 
 test: venv chromium
 	$(VPY) -m pytest
@@ -66,25 +66,25 @@ chromium:
 	  || echo "labkit: could not install chromium; the browser test will say so"; }
 
 run: venv
-	$(VPY) -m labkit.run_notebooks --out runs/$(STAMP)
+	$(VPY) -m labkit.tools.run_notebooks --out runs/$(STAMP)
 
 gpu-check:
-	$(GPY) -m labkit.gpu_check --out gpu-results/$(STAMP) $(GPU_CHECK_ARGS)
+	$(GPY) -m labkit.tools.gpu_check --out gpu-results/$(STAMP) $(GPU_CHECK_ARGS)
 
 record:
-	$(GPY) -m labkit.record
+	$(GPY) -m labkit.tools.record
 
 handouts:
-	$(GPY) -m labkit.handouts --out handouts/$(STAMP) $(if $(FROM),--from $(FROM))
+	$(GPY) -m labkit.tools.handouts --out handouts/$(STAMP) $(if $(FROM),--from $(FROM))
 
 student:
-	$(GPY) -m labkit.student --out student
+	$(GPY) -m labkit.tools.student --out student
 
 instructor:
-	$(GPY) -m labkit.student --instructor --out instructor
+	$(GPY) -m labkit.tools.student --instructor --out instructor
 
 reset:
-	$(GPY) -m labkit.handouts --strip notebooks/
+	$(GPY) -m labkit.tools.handouts --strip notebooks/
 
 clean:
 	rm -rf $(VENV) runs test-results build *.egg-info

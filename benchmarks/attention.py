@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import labkit  # noqa: F401
-from labkit.bench import gbps, measure, tflops
+from labkit.measure.bench import gbps, measure, tflops
 from labkit.device import describe, fingerprint
 
 DEV = "cuda"
@@ -243,7 +243,7 @@ def block_sweep(copy_gbps, out_dir: Path | None, B=16, Hq=32, Hkv=8, D=128) -> l
 def run(out_dir: Path | None = None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU; on CPU see the recorded "
-                         "figures: labkit.recorded.load('attention')")
+                         "figures: labkit.tools.recorded.load('attention_backends')")
     print(describe())
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""How fast the block manager's bookkeeping is on this CPU, against the targets of issue 3.
+"""How fast the block manager's bookkeeping is on this CPU, against its speed targets.
 
 The block manager runs on the host between GPU steps; every microsecond it takes is a
 microsecond the GPU may wait. Two figures:

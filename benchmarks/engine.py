@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
-from labkit.bench import TritonCompiles
+from labkit.measure.bench import TritonCompiles
 from labkit.device import describe, fingerprint
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
-from labkit.transformers_peer import release, run_transformers, summary
+from labkit.lessons.putting_it_together.transformers_peer import release, run_transformers, summary
 
 SECTIONS = ("labkit", "labkit_unfused", "labkit_eager", "prefix_cached", "prefix_uncached",
             "transformers")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 import labkit
-from labkit import graph_experiments as gx
+from labkit.lessons.cuda_graphs import measurements as gx
 from labkit.graphs import GraphPool
 
 

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 import labkit
-from labkit import launch_overhead as lo
+from labkit.lessons import launch_overhead as lo
 
 
 def main():

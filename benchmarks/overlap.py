@@ -22,7 +22,8 @@ import pandas as pd
 import torch
 
 import labkit
-from labkit import bench, transfer
+from labkit.measure import bench
+from labkit.lessons import pinned_memory_streams as transfer
 from labkit.overlap import PinnedStagingPool, Prefetcher
 
 BANDWIDTH_TARGET, PREFETCH_TARGET, TARGET_FROM_BYTES = 0.90, 1.10, 16 << 20

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 import labkit
-from labkit import tensor_parallel as tp
-from labkit.tp_runner import launched_by_torchrun, pick_backend
+from labkit.distributed import tensor_parallel as tp
+from labkit.distributed.rank_runner import launched_by_torchrun, pick_backend
+from labkit.lessons import multi_gpu_overlap as mgo
 
 CPU_SHAPES = dict(tokens=512, hidden=1024, dtype="float32", chunk_counts=(1, 2, 4, 8),
                   trace_chunks=4, warmup=2, repeats=20)
@@ -43,13 +44,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     backend = pick_backend(args.backend, world_size=2)
-    shapes, ffn_sizes = ((tp.GPU_SHAPES, tp.GPU_FFN_SIZES) if backend == "nccl"
+    shapes, ffn_sizes = ((mgo.GPU_SHAPES, mgo.GPU_FFN_SIZES) if backend == "nccl"
                          else (CPU_SHAPES, CPU_FFN_SIZES))
     overrides = {k: v for k, v in dict(tokens=args.tokens, hidden=args.hidden, dtype=args.dtype,
                                        chunk_counts=args.chunks, repeats=args.repeats).items()
                  if v is not None}
     shapes = {**shapes, **overrides}
-    runs = [tp.run_experiment(tp.TPExperiment(ffn=ffn, **shapes), world_size=2, backend=backend)
+    runs = [mgo.run_experiment(mgo.TPExperiment(ffn=ffn, **shapes), world_size=2, backend=backend)
             for ffn in (args.ffn or ffn_sizes)]
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         return 0

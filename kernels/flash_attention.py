@@ -20,7 +20,7 @@ later, a tensor descriptor names the tensor's shape and strides once, and one in
 the copy engine (TMA) for a whole [BLOCK_N, D] tile by its coordinates: no address arithmetic in
 the loop, rows past the tensor's end come back as zeros, and the tile lands in shared memory
 laid out for the tensor cores. On an H200 (causal B4 H32 S4096 D128 bf16, the recording in
-labkit/recorded_data/attention.json): 413 TFLOP/s with pointers, 462 with descriptors; at
+labkit/recorded_data/attention_backends.json): 413 TFLOP/s with pointers, 462 with descriptors; at
 head_dim 256 one run (not recorded) gave 341 and 501.
 """
 from __future__ import annotations
@@ -267,7 +267,7 @@ def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
 
 if __name__ == "__main__":
     from labkit.attention.reference import flash_attention_ref
-    from labkit.bench import measure, tflops
+    from labkit.measure.bench import measure, tflops
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

@@ -157,7 +157,7 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
               tuning: dict | None = None) -> tuple[dict, dict]:
     """What ``paged_attention`` compiles for a batch: the kernel's tile constants (GROUP,
     GROUP_P, BLOCK_Q, BLOCK_N, CAUSAL, SCALED, PREFETCH) and its launch options (num_warps,
-    num_stages, maxnreg). ``labkit.attention.sass`` compiles the same plan ahead of time to
+    num_stages, maxnreg). ``labkit.lessons.attention_backends.sass`` compiles the same plan ahead of time to
     read the machine code a GPU runs."""
     group_p = triton.next_power_of_2(group)
     row_cap = 32 if interpreter_on() else 64
@@ -255,7 +255,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
 
 if __name__ == "__main__":
     from labkit.attention.reference import paged_attention_ref
-    from labkit.bench import gbps, measure
+    from labkit.measure.bench import gbps, measure
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

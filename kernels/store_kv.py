@@ -134,7 +134,7 @@ def store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_sca
 
 
 if __name__ == "__main__":
-    from labkit.bench import gbps, measure
+    from labkit.measure.bench import gbps, measure
     from labkit.device import interpreter_on
 
     device = labkit.select_device("auto")

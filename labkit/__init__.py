@@ -27,5 +27,25 @@ def _map_kernels_folder() -> None:
 
 _map_kernels_folder()
 
-__all__ = ["configure_triton", "fingerprint", "select_device"]
+
+
+def check_positive_int(name: str, value, hint: str = "") -> int:
+    """``value`` as an int >= 1, or a ValueError naming ``name`` (bools are refused: True is not
+    a count). ``hint`` says what the number counts, for the learner reading the error."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{f' ({hint})' if hint else ''}, "
+                         f"got {value!r}")
+    return value
+
+
+def check_power_of_two(name: str, value, hint: str = "") -> int:
+    """``value`` as an int that is 1, 2, 4, 8, ..., or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two{f' ({hint})' if hint else ''}, "
+                         f"got {value!r}")
+    return value
+
+
+__all__ = ["check_positive_int", "check_power_of_two", "configure_triton", "fingerprint",
+           "select_device"]
 __version__ = "0.1.0"

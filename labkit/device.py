@@ -5,6 +5,7 @@ anything imports ``triton``: ``import labkit`` calls :func:`configure_triton` fo
 """
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import subprocess
@@ -119,3 +120,17 @@ def describe(fp: dict | None = None) -> str:
     )
     triton = f"triton {fp['triton']}" + (" [interpreter]" if fp.get("interpreter") else "")
     return f"{where} | torch {fp['torch']} | {triton} | python {fp['python']}"
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU, whose ops finish as they return)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: str | torch.device) -> None:
+    """Drop unreferenced tensors now and hand cached device memory back, between experiments."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

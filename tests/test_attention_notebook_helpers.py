@@ -1,12 +1,12 @@
-"""labkit.attention.roofline: the arithmetic behind notebook 06's roofline and target table."""
+"""labkit.lessons.attention_backends.roofline: the arithmetic behind notebook 06's roofline and target table."""
 import inspect
 import math
 import sys
 
 import pytest
 
-from labkit.attention import roofline as rl
-from labkit.record import ROOT
+from labkit.lessons.attention_backends import roofline as rl
+from labkit.tools.record import ROOT
 
 
 def _benchmark():

@@ -1,8 +1,8 @@
-"""labkit.attention.sass: the decode loop compiled for sm_90 on this machine, and the claims
+"""labkit.lessons.attention_backends.sass: the decode loop compiled for sm_90 on this machine, and the claims
 notebook 06 and kernels/paged_attention.py make from it."""
 import pytest
 
-from labkit.attention import sass
+from labkit.lessons.attention_backends import sass
 
 
 @pytest.fixture(scope="module")

@@ -170,7 +170,7 @@ def test_every_backend_agrees_with_the_reference_on_gpu_bf16(name):
 # --- side-by-side helpers (notebook 06) ------------------------------------------------------
 
 def test_check_backends_runs_every_compatible_backend_against_the_reference():
-    from labkit.attention.compare import Workload, check_backends
+    from labkit.lessons.attention_backends.compare import Workload, check_backends
     table = check_backends(Workload((1, 3, 0), (20, 9, 4), window=6))
     assert list(table["backend"]) == list(PRIORITY)
     assert table["compatible"].all()
@@ -178,7 +178,7 @@ def test_check_backends_runs_every_compatible_backend_against_the_reference():
 
 
 def test_check_backends_reports_why_a_backend_was_skipped():
-    from labkit.attention.compare import Workload, check_backends
+    from labkit.lessons.attention_backends.compare import Workload, check_backends
     table = check_backends(Workload((1,), (20,), kv_cache_dtype="fp8_e4m3")).set_index("backend")
     assert not table.loc["sdpa", "compatible"] and "fp8" in table.loc["sdpa", "reasons"]
     # the fp8 path multiplies in float16: float16's rounding bounds it, not float32's
@@ -186,7 +186,7 @@ def test_check_backends_reports_why_a_backend_was_skipped():
 
 
 def test_workload_counts_only_the_query_key_pairs_the_mask_keeps():
-    from labkit.attention.compare import Workload
+    from labkit.lessons.attention_backends.compare import Workload
     # 2 new tokens at the end of 5 keys see 4 and 5 keys; with window 3 they see 3 each
     assert Workload((2,), (5,)).visible_keys() == 9
     assert Workload((2,), (5,), window=3).visible_keys() == 6
@@ -194,7 +194,7 @@ def test_workload_counts_only_the_query_key_pairs_the_mask_keeps():
 
 
 def test_tiling_removes_the_score_matrix_from_hbm_traffic():
-    from labkit.attention.compare import attention_io, tile_io
+    from labkit.lessons.attention_backends.compare import attention_io, tile_io
     io = attention_io(4096, 4096, num_heads=1, head_dim=128, block_m=128)
     assert io["tiled_bytes"] < io["naive_bytes"]
     assert tile_io(128, 64, 128)["flops_per_byte"] == 128.0, "4*M*N*D FLOPs over 2*N*D*2 bytes"

@@ -3,7 +3,7 @@ import time
 import pytest
 import torch
 
-from labkit import bench
+from labkit.measure import bench
 
 
 def test_median_sits_inside_its_spread_and_counts_repeats():

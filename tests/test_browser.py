@@ -13,8 +13,8 @@ import pytest
 from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
 
-from labkit import lab_server
-from labkit.run_notebooks import lab_metadata, notebooks
+from labkit.tools import lab_server
+from labkit.tools.run_notebooks import lab_metadata, notebooks
 
 SHOTS = Path(__file__).resolve().parent.parent / "test-results" / "browser"
 NOTEBOOKS = notebooks()

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit.bucket_planner import padding_waste, plan_buckets, powers_of_two
+from labkit.graphs.bucket_planner import padding_waste, plan_buckets, powers_of_two
 
 
 def test_padding_waste_counts_rows_padded_up_to_each_bucket():
@@ -58,7 +58,7 @@ def test_an_empty_trace_is_an_error():
 
 
 def test_padding_by_bucket_adds_up_to_the_total():
-    from labkit.bucket_planner import padding_by_bucket
+    from labkit.graphs.bucket_planner import padding_by_bucket
 
     trace = [1, 3, 3, 5, 8, 8]
     table = padding_by_bucket(trace, (4, 8))

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from labkit import compile_pipeline as cp
-from labkit import graph_breaks as gb
-from labkit import recompiles as rc
+from labkit.lessons.torch_compile import pipeline as cp
+from labkit.lessons.torch_compile import graph_breaks as gb
+from labkit.lessons.torch_compile import recompiles as rc
 
 EXAMPLE_IDS = [ex.name for ex in gb.EXAMPLES]
 

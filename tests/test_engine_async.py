@@ -246,7 +246,7 @@ def test_gpu_async_scheduling_with_graphs_generates_the_plain_loops_tokens():
 
 @pytest.mark.gpu
 def test_gpu_metadata_copies_overlap_the_previous_steps_compute():
-    from labkit.profile import trace
+    from labkit.measure.profile import trace
 
     # Wide enough that a step's GPU time exceeds the host's time to plan the next one.
     # (about 1 ms of weights to read per decode step against a few hundred us of Python).

@@ -121,7 +121,7 @@ def test_the_workload_is_fixed_by_its_seed_and_within_its_ranges():
 
 
 def test_transformers_batches_group_similar_prompt_lengths():
-    from labkit.transformers_peer import hf_batches
+    from labkit.lessons.putting_it_together.transformers_peer import hf_batches
 
     prompts = [[0] * n for n in (9, 2, 7, 3, 8)]
     assert hf_batches(prompts, 2) == [[1, 3], [2, 4], [0]]

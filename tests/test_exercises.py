@@ -3,7 +3,7 @@ common mistakes are named with their index, and student copies differ from the i
 only inside the solution markers.
 
 Solutions come from where learners see them: the notebooks' marked cells and
-``kernels/exercises/*.py``. Stubs come from a student copy written by ``labkit.student``.
+``kernels/exercises/*.py``. Stubs come from a student copy written by ``labkit.tools.student``.
 """
 import json
 import re
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import exercises, student
-from labkit.check import check, compare_tensor
+from labkit.teaching import exercises
+from labkit.tools import student
+from labkit.teaching.check import check, compare_tensor
 from labkit.device import interpreter_on
-from labkit.exercises.bounds import bounds_checked
-from labkit.hints import hints, seen
-from labkit.predict import PREDICTIONS, predict, reveal
+from labkit.teaching.exercises.bounds import bounds_checked
+from labkit.teaching.hints import hints, seen
+from labkit.teaching.predict import PREDICTIONS, predict, reveal
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = exercises.all_exercises()
@@ -189,7 +190,7 @@ def test_waiting_for_the_whole_copy_stream_is_right_but_too_much():
 
 
 def test_a_lookup_that_serves_the_whole_prompt_is_named():
-    from labkit.exercises.paged_kv_cache import ROOT as root_hash, chain_hash
+    from labkit.teaching.exercises.paged_kv_cache import ROOT as root_hash, chain_hash
 
     def cached_prefix_len(registered, token_ids, block_size):
         parent, hits = root_hash, 0
@@ -379,7 +380,7 @@ def test_every_solution_passes_on_the_gpu(exercise_id):
 
 @pytest.mark.gpu
 def test_on_the_gpu_refilling_a_pinned_buffer_at_once_corrupts_batches():
-    from labkit.exercises import pinned_memory
+    from labkit.teaching.exercises import pinned_memory
 
     run = pinned_memory.send_all(pinned_memory.refill_at_once, 1, [1 << 16] * 8, "cuda")
     assert run["arrived"] != list(range(8)), "the copy stream was busy: early refills must show"

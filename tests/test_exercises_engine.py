@@ -1,11 +1,11 @@
 """Exercises of notebooks 07 and 08: common mistakes are named, not just failed.
 
-Each test hands ``labkit.check`` a solution with one typical mistake and asserts that the
+Each test hands ``labkit.teaching.check`` a solution with one typical mistake and asserts that the
 message names it. The exercises' own solution/stub checks are in test_exercises.py.
 """
 import torch
 
-from labkit.check import check
+from labkit.teaching.check import check
 
 
 def _decode_step_cost(config, batch, context, dtype_bytes):
@@ -118,8 +118,8 @@ def test_batches_beyond_the_largest_bucket_left_uncounted_are_named():
 
 def test_the_batching_measurement_leaves_the_thread_count_as_it_found_it():
     from labkit.engine import ModelConfig, random_model
-    from labkit.exercises.putting_it_together import output_tok_s
-    from labkit.experiment import Workload
+    from labkit.teaching.exercises.putting_it_together import output_tok_s
+    from labkit.lessons.putting_it_together.experiment import Workload
 
     threads = torch.get_num_threads()
     rate = output_tok_s(random_model(ModelConfig.tiny(), seed=0), Workload(3, (4, 8), (2, 4)), 3,

@@ -1,5 +1,5 @@
-"""The controlled experiment (labkit.experiment) and the engine-step views beside it
-(labkit.engine_steps): the table's shape, refusals as rows, padding counted as the scheduler
+"""The controlled experiment (labkit.lessons.putting_it_together.experiment) and the engine-step views beside it
+(labkit.lessons.putting_it_together.engine_steps): the table's shape, refusals as rows, padding counted as the scheduler
 counts it, and record() on tiny sizes."""
 import json
 import math
@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import engine_steps as steps
-from labkit import experiment as ex
+from labkit.lessons.putting_it_together import engine_steps as steps
+from labkit.lessons.putting_it_together import experiment as ex
 from labkit.attention import BACKENDS
 from labkit.engine import LLM, ModelConfig, random_model
-from labkit.profile import EVENT_COLUMNS, Trace
+from labkit.measure.profile import EVENT_COLUMNS, Trace
 
 CPU = torch.device("cpu")
 SMALL = ex.Workload(num_requests=5, prompt_len=(3, 20), output_len=(2, 9), seed=3)

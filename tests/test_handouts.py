@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from labkit import handouts
+from labkit.tools import handouts
 from labkit.device import describe, fingerprint
-from labkit.run_notebooks import PLOTLY_MIME, lab_metadata, notebooks
+from labkit.tools.run_notebooks import PLOTLY_MIME, lab_metadata, notebooks
 
 TOUR = next(p for p in notebooks() if p.stem.startswith("00_"))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import lab_server
+from labkit.tools import lab_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,7 @@ def test_make_lab_runs_the_lab_server_module():
                           "VENV=/nonexistent"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert [line for line in out.splitlines() if "jupyter" in line or "lab_server" in line] == \
-        [f"{sys.executable} -m labkit.lab_server"], "make lab must start the lab through lab_server"
+        [f"{sys.executable} -m labkit.tools.lab_server"], "make lab must start the lab through lab_server"
 
 
 def test_the_server_binds_to_localhost_and_keeps_a_token():

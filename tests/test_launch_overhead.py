@@ -2,7 +2,7 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import launch_overhead as lo
+from labkit.lessons import launch_overhead as lo
 
 
 def test_the_chain_runs_one_add_per_kernel():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.run_notebooks import execute, notebooks
+from labkit.tools.run_notebooks import execute, notebooks
 
 OUT = Path(__file__).resolve().parent.parent / "test-results" / "notebooks"
 MAX_EXECUTED_BYTES = 2_000_000

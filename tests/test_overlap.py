@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import staging, transfer
+from labkit.overlap import staging
+from labkit.lessons import pinned_memory_streams as transfer
 from labkit.overlap import (InFlightCopy, PinnedStagingPool, PrefetchStats, Prefetcher,
                             SynchronousFallbackWarning, copy_to_host, start_copy_to_host)
 

@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import chunked_prefill as cp
-from labkit import prefill_decode as pdc
+from labkit.lessons.prefill_vs_decode import chunked_prefill as cp
+from labkit.lessons.prefill_vs_decode import forward as pdc
 from labkit.engine import LLM, ModelConfig, random_model
 
 # h 8, intermediate 16, 1 layer, 2 query heads / 1 KV head of dim 4, vocabulary 10, float32:
@@ -312,7 +312,7 @@ def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
 
 
 def test_the_notebook_defaults_are_the_recorded_gpu_sizes():
-    from labkit.lab import NOTEBOOK_DIR
+    from labkit.tools import NOTEBOOK_DIR
 
     nb = json.loads((NOTEBOOK_DIR / "07_prefill_vs_decode.ipynb").read_text())
     cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
@@ -355,6 +355,6 @@ def test_graph_replay_speeds_up_a_small_decode_step(gpu_model):
 def test_shapes_accept_numpy_ints_from_a_table():
     import numpy as np
 
-    from labkit.prefill_decode import decode
+    from labkit.lessons.prefill_vs_decode.forward import decode
     shape = decode(np.int64(4), np.int64(128))
     assert (shape.batch, shape.context) == (4, 128) and type(shape.batch) is int

@@ -4,8 +4,9 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit.profile import Trace, launch_links, parse_chrome_trace, summarize, thin, trace
-from labkit.timeline import timeline_figure
+from labkit.measure.events import launch_links, parse_chrome_trace, summarize, thin
+from labkit.measure.profile import Trace, trace
+from labkit.measure.timeline import timeline_figure
 
 
 def _x(cat, name, ts, dur, pid=1, tid=1, **args):
@@ -83,7 +84,7 @@ def test_trace_survives_a_round_trip_through_json(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_trace_links_every_eager_kernel_and_graph_replay_is_one_launch():
-    from labkit.launch_overhead import chain_runner
+    from labkit.lessons.launch_overhead import chain_runner
 
     dev = torch.device("cuda")
     eager = trace(chain_runner("eager", 1024, 20, dev), device=dev)

@@ -3,7 +3,7 @@
 Float32 throughout on the CPU. Tolerances: the sharded layer sums its partials in a different
 order than one full matmul, so outputs match the single-device reference to atol 1e-5 and
 rtol 1e-5 (values are of order one); chunking the tokens changes no sum, so overlapped and
-serial match to atol 1e-6. Processes: gloo on the CPU, 2 ranks, spawned by labkit.tp_runner.
+serial match to atol 1e-6. Processes: gloo on the CPU, 2 ranks, spawned by labkit.distributed.rank_runner.
 """
 import json
 
@@ -11,8 +11,10 @@ import labkit  # noqa: F401  (device set-up first)
 import pytest
 import torch
 
-from labkit import tensor_parallel as tp
-from labkit.tp_runner import TPResult, pick_backend, run_ranks
+from labkit.distributed import tensor_parallel as tp
+from labkit.distributed.rank_runner import pick_backend, run_ranks
+from labkit.lessons import multi_gpu_overlap as mgo
+from labkit.lessons.multi_gpu_overlap import TPResult
 
 REF_TOL = dict(atol=1e-5, rtol=1e-5)
 CHUNK_TOL = dict(atol=1e-6, rtol=0)
@@ -46,9 +48,9 @@ def gloo_outputs():
 
 @pytest.fixture(scope="module")
 def gloo_experiment():
-    exp = tp.TPExperiment(tokens=64, hidden=32, ffn=64, chunk_counts=(1, 3), trace_chunks=3,
+    exp = mgo.TPExperiment(tokens=64, hidden=32, ffn=64, chunk_counts=(1, 3), trace_chunks=3,
                           warmup=0, repeats=2)
-    return tp.run_experiment(exp, world_size=2, backend="gloo")
+    return mgo.run_experiment(exp, world_size=2, backend="gloo")
 
 
 # --- the layer in one process -----------------------------------------------------------------
@@ -117,7 +119,7 @@ def test_two_ranks_without_a_process_group_say_how_to_start_one():
 
 def test_an_experiment_whose_chunks_the_tokens_cannot_fill_is_refused_before_spawning():
     with pytest.raises(ValueError, match="cannot split 4 tokens into 8 chunks"):
-        tp.TPExperiment(tokens=4, hidden=8, ffn=8, chunk_counts=(1, 8))
+        mgo.TPExperiment(tokens=4, hidden=8, ffn=8, chunk_counts=(1, 8))
 
 
 # --- the schedule, step by step (a recording stand-in for torch.distributed) ---------------
@@ -176,7 +178,7 @@ def test_compute_only_timing_variant_launches_no_collective(schedule_log):
 # --- the arithmetic of overlap ------------------------------------------------------------
 
 def test_efficiency_speedup_and_hidden_fraction_on_hand_made_numbers():
-    m = tp.overlap_metrics(serial_us=10.0, overlapped_us=8.0, compute_us=6.0, comm_us=4.0)
+    m = mgo.overlap_metrics(serial_us=10.0, overlapped_us=8.0, compute_us=6.0, comm_us=4.0)
     assert m["ideal_us"] == 6.0, "the best overlap can do is the longer of the two"
     assert m["efficiency"] == pytest.approx(6 / 8)
     assert m["speedup"] == pytest.approx(10 / 8)
@@ -184,8 +186,8 @@ def test_efficiency_speedup_and_hidden_fraction_on_hand_made_numbers():
 
 
 def test_perfect_overlap_scores_one_and_none_scores_the_serial_ratio():
-    perfect = tp.overlap_metrics(serial_us=10.0, overlapped_us=6.0, compute_us=6.0, comm_us=4.0)
-    none = tp.overlap_metrics(serial_us=10.0, overlapped_us=10.0, compute_us=6.0, comm_us=4.0)
+    perfect = mgo.overlap_metrics(serial_us=10.0, overlapped_us=6.0, compute_us=6.0, comm_us=4.0)
+    none = mgo.overlap_metrics(serial_us=10.0, overlapped_us=10.0, compute_us=6.0, comm_us=4.0)
     assert (perfect["efficiency"], perfect["hidden_fraction"]) == (1.0, 1.0)
     assert (none["efficiency"], none["hidden_fraction"], none["speedup"]) == (0.6, 0.0, 1.0)
 
@@ -193,19 +195,19 @@ def test_perfect_overlap_scores_one_and_none_scores_the_serial_ratio():
 def test_the_pipeline_bound_leaves_one_chunk_of_the_shorter_side_exposed():
     # 4 chunks, compute 8 us, comm 4 us: chunk 1 computes (2 us) before anything is sent, then
     # compute and comm run side by side, and the last chunk's 1 us of comm runs alone: 8 + 1.
-    m = tp.overlap_metrics(serial_us=12.0, overlapped_us=10.0, compute_us=8.0, comm_us=4.0,
+    m = mgo.overlap_metrics(serial_us=12.0, overlapped_us=10.0, compute_us=8.0, comm_us=4.0,
                            num_chunks=4)
     assert (m["ideal_us"], m["pipeline_us"]) == (8.0, 9.0)
     assert m["of_pipeline"] == pytest.approx(0.9)
-    one = tp.overlap_metrics(12.0, 12.0, 8.0, 4.0, num_chunks=1)
+    one = mgo.overlap_metrics(12.0, 12.0, 8.0, 4.0, num_chunks=1)
     assert one["pipeline_us"] == 12.0, "one chunk cannot overlap: its bound is the serial sum"
     with pytest.raises(ValueError, match="num_chunks must be an integer >= 1"):
-        tp.overlap_metrics(12.0, 10.0, 8.0, 4.0, num_chunks=0)
+        mgo.overlap_metrics(12.0, 10.0, 8.0, 4.0, num_chunks=0)
 
 
 def test_times_that_are_not_positive_are_refused():
     with pytest.raises(ValueError, match="positive microseconds.*comm_us"):
-        tp.overlap_metrics(10.0, 8.0, 6.0, 0.0)
+        mgo.overlap_metrics(10.0, 8.0, 6.0, 0.0)
 
 
 # --- what needs two GPUs says so -------------------------------------------------------------
@@ -214,7 +216,7 @@ def test_record_refuses_with_fewer_than_two_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RuntimeError, match="needs 2 GPUs.*this machine has 1"):
-        tp.record()
+        mgo.record()
 
 
 def test_nccl_without_a_gpu_per_rank_is_refused_with_the_alternative(monkeypatch):
@@ -264,7 +266,7 @@ def test_experiment_table_has_a_row_per_chunk_count_with_its_metrics(gloo_experi
 
 
 def test_sweep_summary_reports_the_best_chunk_count_and_the_comm_stretch(gloo_experiment):
-    from labkit.tp_runner import sweep_summary
+    from labkit.lessons.multi_gpu_overlap import sweep_summary
 
     row = sweep_summary([gloo_experiment, gloo_experiment]).iloc[1]
     table = gloo_experiment.table
@@ -334,9 +336,9 @@ def test_nccl_timeline_shows_nccl_kernels_beside_the_matmuls():
     # Chunks of 2,048 tokens: each matmul long enough that the previous chunk's all-reduce
     # has one to run beside (at 1,024-token chunks of a 4,096-wide layer, H200 rank 0 once ran
     # all four all-reduces after its last matmul).
-    exp = tp.TPExperiment(tokens=8192, hidden=8192, ffn=8192, dtype="bfloat16",
+    exp = mgo.TPExperiment(tokens=8192, hidden=8192, ffn=8192, dtype="bfloat16",
                           chunk_counts=(1, 4), trace_chunks=4, warmup=2, repeats=5)
-    s = tp.run_experiment(exp, world_size=2, backend="nccl").trace("overlapped").summary
+    s = mgo.run_experiment(exp, world_size=2, backend="nccl").trace("overlapped").summary
     for rank in (0, 1):
         assert s[f"rank {rank}"]["collectives"] == 4, f"expected 4 NCCL all-reduce kernels: {s}"
         assert s[f"rank {rank}"]["comm_hidden_fraction"] > 0, (

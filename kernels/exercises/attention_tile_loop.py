@@ -19,8 +19,9 @@ values past them, BLOCK_N at a time:
         m_i = m_new
 
 ``qk_scale`` is 1/sqrt(HEAD_DIM) * log2(e), so exp2 gives the usual softmax. Check your loop
-from a notebook with ``check("06.1")``: it runs the kernel in Triton's interpreter on awkward
-lengths and reports any load or store outside the tensors, with its program id.
+from a notebook with ``check("06.1")``, or in a shell with ``python -m labkit.teaching.check
+06.1``: it runs the kernel in Triton's interpreter on awkward lengths and reports any load or
+store outside the tensors, with its program id.
 """
 from __future__ import annotations
 
@@ -94,9 +95,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         1.0 / math.sqrt(head_dim) * math.log2(math.e),
         CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n)
     return out
-
-
-if __name__ == "__main__":
-    from labkit.check import check
-
-    print(check("06.1", source=__file__))

@@ -11,7 +11,8 @@ that saw no key has ``lse[s] = -inf`` (and a partial of zeros). The exact answer
 
 One program merges one (token, head). The splits are loaded as one block of SPLITS_P lanes,
 the next power of two above num_splits: lanes s >= num_splits do not exist, so mask them
-(with lse = -inf they weigh nothing). Check it from a notebook with ``check("06.2")``.
+(with lse = -inf they weigh nothing). Check it from a notebook with ``check("06.2")``, or from a shell with
+``python -m labkit.teaching.check 06.2``.
 """
 from __future__ import annotations
 
@@ -60,9 +61,3 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_P=triton.next_power_of_2(num_splits))
     return out
-
-
-if __name__ == "__main__":
-    from labkit.check import check
-
-    print(check("06.2", source=__file__))

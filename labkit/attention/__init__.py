@@ -1,12 +1,10 @@
-"""Attention kernels, references and backend selection (issue 4).
+"""Attention kernels, references and backend selection.
 
 ``flash_attention`` and ``paged_attention`` are labkit's Triton kernels (``kernels/``);
 ``*_ref`` are their float64 definitions; ``select_backend`` picks among ``BACKENDS`` and says why.
 """
 import labkit  # noqa: F401  (interpreter on before triton is imported, where there is no GPU)
 from labkit.attention.backends import BACKENDS, PRIORITY, Backend
-from labkit.attention.compare import (Workload, attention_io, check_backends, tile_io,
-                                      time_backends)
 from labkit.attention.matrix import compatibility_matrix, matrix_markdown
 from labkit.attention.reference import flash_attention_ref, paged_attention_ref
 from labkit.attention.selection import (AttentionSpec, BackendUnavailable, example_specs,
@@ -16,9 +14,8 @@ from labkit.kernels.flash_attention import flash_attention
 from labkit.kernels.paged_attention import paged_attention
 
 __all__ = [
-    "BACKENDS", "PRIORITY", "AttentionSpec", "Backend", "BackendUnavailable", "Workload",
-    "attention_io", "check_backends", "compatibility_matrix", "example_specs", "explain",
+    "BACKENDS", "PRIORITY", "AttentionSpec", "Backend", "BackendUnavailable",
+    "compatibility_matrix", "example_specs", "explain",
     "flash_attention", "flash_attention_ref", "matrix_markdown", "paged_attention",
-    "paged_attention_ref", "reasons_against", "select_backend", "selection_lines", "tile_io",
-    "time_backends",
+    "paged_attention_ref", "reasons_against", "select_backend", "selection_lines",
 ]

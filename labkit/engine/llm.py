@@ -121,11 +121,10 @@ class LLM:
     or a name of ``labkit.attention.BACKENDS``; ``enforce_eager`` turns CUDA Graphs off.
     ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
     ``fused_ops`` runs each layer's small ops as three fused Triton kernels (default: on with
-    CUDA Graphs, i.e. CUDA and not ``enforce_eager``). H200, 1.1B bf16: a replayed decode step
-    of batch 1 took 1.18 ms fused vs 2.00 ms, and the engine benchmark gained 1.14-1.35x in
-    tokens/s. Launched eagerly, two runs disagreed (fused 12.2 vs 9.7 ms in one, 5.6 vs 9.2 in
-    the other: the host's launch cost dominates there and varies), so the default asks for
-    graphs. On CPU the kernels run in Triton's interpreter.
+    CUDA Graphs, i.e. CUDA and not ``enforce_eager``): replayed, a step is GPU time and the
+    fused kernels save it (``recorded_data/prefill_vs_decode.json`` has the measured gain);
+    launched eagerly, a step is host launch time, which varies more than fusing saves, so the
+    default asks for graphs. On CPU the kernels run in Triton's interpreter.
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,

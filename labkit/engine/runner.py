@@ -141,7 +141,7 @@ class ModelRunner:
         self.store_kernel = self.device.type == "cuda" or self.backend.name == "triton"
         self.staging = None
         if self.device.type == "cuda":
-            from labkit.staging import PinnedStagingPool
+            from labkit.overlap.staging import PinnedStagingPool
             self.staging = PinnedStagingPool(num_buffers=2, device=self.device)
         self.decode_buckets: tuple[int, ...] | None = None
         self.graphs: GraphPool | None = None

@@ -1,0 +1,2 @@
+"""Notebook 06: every backend on one workload, checked and timed (compare), the roofline they
+sit on (roofline), and the fp8 decode loop compiled for sm_90 and counted (sass)."""

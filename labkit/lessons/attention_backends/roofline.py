@@ -1,0 +1,264 @@
+"""Attention speeds read against the machine's two ceilings, for notebook 06.
+
+A kernel at ``I`` FLOPs per byte can go no faster than ``min(matmul rate, I x bandwidth)``:
+the roofline. Prefill sits far right (compute-bound), decode far left (bandwidth-bound).
+``roofline_points`` places the results of ``benchmarks/attention.py`` (live, or recorded on a
+GPU) on it, using the bytes and FLOPs of the benchmark's shapes as ``Workload`` computes them;
+``live_points`` times the registry's backends here. ``targets`` scores the results against
+the kernels' speed targets. Figures are plotly.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from labkit.attention.backends import PRIORITY
+from labkit.lessons.attention_backends.compare import Workload, attention_io, time_backends
+
+# The shapes of benchmarks/attention.py (tests check that its defaults still match).
+PREFILL = dict(batch=4, heads=32, seq=4096, head_dim=128)
+DECODE = dict(batch=64, q_heads=32, kv_heads=8, context=4096, head_dim=128, block_size=16)
+LONG_CONTEXT = 32768
+
+
+def prefill_workload() -> Workload:
+    p = PREFILL
+    lens = (p["seq"],) * p["batch"]
+    return Workload(lens, lens, p["heads"], p["heads"], p["head_dim"], torch.bfloat16,
+                    paged=False, name="prefill")
+
+
+def decode_workload(batch: int | None = None, context: int | None = None,
+                    kv_cache_dtype: str = "auto") -> Workload:
+    d = DECODE
+    batch, context = batch or d["batch"], context or d["context"]
+    return Workload((1,) * batch, (context,) * batch, d["q_heads"], d["kv_heads"], d["head_dim"],
+                    torch.bfloat16, block_size=d["block_size"], kv_cache_dtype=kv_cache_dtype,
+                    name=f"decode B{batch} ctx {context}")
+
+
+def source_excerpt(obj, first: str, last: str | None = None) -> str:
+    """Lines of ``obj``'s source from the first containing ``first`` to the next containing
+    ``last`` (or just that line), numbered as in the file. Unwraps Triton's jit/autotune."""
+    while hasattr(obj, "fn"):
+        obj = obj.fn
+    lines, start = inspect.getsourcelines(obj)
+    i = next((n for n, line in enumerate(lines) if first in line), None)
+    if i is None:
+        raise ValueError(f"{first!r} is not in the source of {obj.__name__}")
+    j = i if last is None else next((n for n in range(i, len(lines)) if last in lines[n]), None)
+    if j is None:
+        raise ValueError(f"{last!r} does not follow {first!r} in the source of {obj.__name__}")
+    return "".join(f"{start + n:4d}  {lines[n]}" for n in range(i, j + 1))
+
+
+def _point(rows, workload: Workload, label: str, result) -> None:
+    if not isinstance(result, dict) or "us" not in result:
+        return  # a peer that could not run in the benchmark
+    seconds = result["us"] * 1e-6
+    rows.append({"workload": workload.name, "backend": label, "us": result["us"],
+                 "flops_per_byte": workload.flops() / workload.bytes_moved(),
+                 "tflops": workload.flops() / seconds / 1e12,
+                 "gbps": workload.bytes_moved() / seconds / 1e9})
+
+
+def roofline_points(data: dict) -> pd.DataFrame:
+    """One row per measured (workload, peer) of a ``benchmarks/attention.py`` result."""
+    rows = []
+    prefill = prefill_workload()
+    for peer, result in data.get("prefill", {}).items():
+        _point(rows, prefill, peer, result)
+    decode = decode_workload()
+    for peer in ("auto", "checked", "sdpa flash"):
+        _point(rows, decode, {"auto": "triton (ours)", "checked": "ours, checked"}.get(peer, peer),
+               data.get("decode", {}).get(peer))
+    for batch in (1, 2, 4):
+        long = decode_workload(batch, LONG_CONTEXT)
+        for mode in ("split (auto)", "no split"):
+            result = data.get("long_context", {}).get(f"B{batch} {mode}")
+            _point(rows, long, f"ours, {mode}", result)
+    _point(rows, decode_workload(kv_cache_dtype="fp8_e4m3"), "ours, fp8 cache",
+           data.get("fp8", {}).get("fp8_e4m3"))
+    return pd.DataFrame(rows)
+
+
+def live_points(workloads: list[Workload], device: str, repeats: int = 5) -> pd.DataFrame:
+    """Every compatible backend of the registry timed on each workload, here and now."""
+    frames = []
+    for w in workloads:
+        for name in PRIORITY:
+            try:
+                df = time_backends(w, device, repeats=repeats, names=(name,))
+            except Exception as exc:  # noqa: BLE001  (report a backend that fails, keep the rest)
+                print(f"  {name} on {w.name}: failed ({type(exc).__name__}: {str(exc)[:120]})")
+                continue
+            frames.append(df.assign(workload=w.name))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+_SYMBOLS = ["circle", "square", "diamond", "triangle-up", "cross", "star", "x"]
+
+
+def roofline_figure(points: pd.DataFrame, copy_gbps: float, matmul_tflops: float,
+                    title: str) -> go.Figure:
+    """Log-log: achieved TFLOP/s over FLOPs per byte, under min(matmul, intensity x bandwidth)."""
+    lo = min(points.flops_per_byte.min(), 1.0) / 2
+    hi = max(points.flops_per_byte.max(), 1e3) * 2
+    ridge = matmul_tflops * 1e3 / copy_gbps  # FLOPs per byte where the two ceilings meet
+    xs = sorted({lo, ridge, hi})
+    fig = go.Figure(go.Scatter(x=xs, y=[min(matmul_tflops, x * copy_gbps / 1e3) for x in xs],
+                               mode="lines", line=dict(color="gray", dash="dash"),
+                               name=f"roof: {copy_gbps:,.0f} GB/s copy, "
+                                    f"{matmul_tflops:,.1f} TFLOP/s matmul"))
+    symbols = {w: s for w, s in zip(points.workload.unique(), _SYMBOLS * 4)}
+    for backend, g in points.groupby("backend", sort=False):  # colour: backend; shape: workload
+        fig.add_scatter(x=g.flops_per_byte, y=g.tflops, mode="markers", name=backend,
+                        marker=dict(size=12, symbol=[symbols[w] for w in g.workload]),
+                        text=g.workload, hovertemplate="%{text}: %{x:.1f} FLOP/B, "
+                                                       "%{y:.3g} TFLOP/s")
+    for workload, symbol in symbols.items():  # legend entries for the shapes
+        fig.add_scatter(x=[None], y=[None], mode="markers", name=f"shape: {workload}",
+                        marker=dict(size=10, symbol=symbol, color="gray"))
+    fig.update_layout(title=title, xaxis_title="arithmetic intensity (FLOPs per HBM byte)",
+                      yaxis_title="TFLOP/s", xaxis_type="log", yaxis_type="log", height=520)
+    return fig
+
+
+def tiling_figure(lengths, num_heads: int, head_dim: int, block_m: int) -> go.Figure:
+    """HBM bytes of one attention call, scores through HBM (naive) vs tiled, over length."""
+    io = pd.DataFrame([attention_io(n, n, num_heads, head_dim, block_m) | {"length": n}
+                       for n in lengths])
+    fig = go.Figure()
+    for col, name in (("naive_bytes", "naive: S and P written and read back"),
+                      ("tiled_bytes", f"tiled: K/V re-read once per {block_m}-query tile")):
+        fig.add_scatter(x=io.length, y=io[col] / 2**20, mode="lines+markers", name=name)
+    fig.update_layout(title=f"HBM traffic of attention, {num_heads} heads, head_dim {head_dim}",
+                      xaxis_title="sequence length", yaxis_title="MiB moved",
+                      xaxis_type="log", yaxis_type="log", height=420)
+    return fig
+
+
+def _bars(rows: dict[str, float], title: str, unit: str, lines: dict[str, float]) -> go.Figure:
+    fig = go.Figure(go.Bar(x=list(rows), y=list(rows.values()), text=[f"{v:,.0f}" for v in
+                                                                       rows.values()]))
+    for name, y in lines.items():
+        fig.add_hline(y=y, line_dash="dash", annotation_text=name)
+    fig.update_layout(title=title, yaxis_title=unit, height=420)
+    return fig
+
+
+def _needs(section: str):
+    """A benchmark section that failed or is absent draws a figure saying so, not a traceback."""
+    def wrap(figure):
+        @functools.wraps(figure)
+        def draw(data: dict, *args, **kwargs):
+            value = data.get(section)
+            if not value or (isinstance(value, dict) and "error" in value):
+                why = value["error"] if isinstance(value, dict) else "no data"
+                fig = go.Figure()
+                fig.add_annotation(text=f"{section} not measured: {why}"[:200], showarrow=False)
+                return fig.update_layout(title=f"{section}: not measured", height=200)
+            return figure(data, *args, **kwargs)
+        return draw
+    return wrap
+
+
+@_needs("prefill")
+def prefill_figure(data: dict, matmul_tflops: float | None, subtitle: str = "") -> go.Figure:
+    rows = {k: v["tflops"] for k, v in data["prefill"].items() if isinstance(v, dict)}
+    p = PREFILL
+    return _bars(rows, f"causal prefill B{p['batch']} H{p['heads']} S{p['seq']} "
+                 f"D{p['head_dim']} bf16{subtitle}", "TFLOP/s",
+                 {"matmul rate": matmul_tflops} if matmul_tflops else {})
+
+
+@_needs("decode")
+def decode_figure(data: dict, subtitle: str = "") -> go.Figure:
+    d, copy = data["decode"], data["copy_gbps"]
+    rows = {k: v["gbps"] for k, v in d.items() if isinstance(v, dict) and "gbps" in v}
+    return _bars(rows, f"paged decode B{DECODE['batch']} GQA {DECODE['q_heads']}/"
+                 f"{DECODE['kv_heads']} ctx {DECODE['context']} block {DECODE['block_size']}"
+                 f"{subtitle}", "KV GB/s", {"copy bandwidth": copy, "80% of copy": 0.8 * copy})
+
+
+@_needs("long_context")
+def long_context_figure(data: dict, subtitle: str = "") -> go.Figure:
+    lc, copy = data["long_context"], data["copy_gbps"]
+    fig = go.Figure()
+    for mode in ("split (auto)", "no split"):
+        keys = [k for k in lc if k.endswith(mode)]
+        fig.add_bar(x=[k.split()[0] for k in keys], y=[lc[k]["gbps"] for k in keys], name=mode)
+    fig.add_hline(y=0.7 * copy, line_dash="dash", annotation_text="70% of copy bandwidth")
+    fig.update_layout(title=f"decode at {LONG_CONTEXT:,} tokens: split-KV vs one program per "
+                      f"KV head{subtitle}", xaxis_title="batch", yaxis_title="KV GB/s",
+                      height=420)
+    return fig
+
+
+@_needs("fp8")
+def fp8_figure(data: dict, subtitle: str = "") -> go.Figure:
+    f = data["fp8"]
+    rows = {k: v["tokens_per_s"] for k, v in f.items() if isinstance(v, dict)}
+    return _bars(rows, f"decode throughput, bf16 vs fp8 (e4m3) KV cache{subtitle}",
+                 "tokens/s", {"1.6 x bf16 (target)": 1.6 * f["bf16"]["tokens_per_s"]})
+
+
+@_needs("block_sweep")
+def block_sweep_figure(data: dict, subtitle: str = "") -> go.Figure:
+    sweep = pd.DataFrame(data["block_sweep"])
+    fig = go.Figure()
+    for ctx, g in sweep.groupby("context"):
+        fig.add_scatter(x=g.block_size, y=g.gbps, mode="lines+markers", name=f"context {ctx}")
+    fig.add_hline(y=data["copy_gbps"], line_dash="dash", annotation_text="copy bandwidth")
+    fig.update_layout(title=f"paged decode GB/s over block size, batch "
+                      f"{sweep.batch.iloc[0]}{subtitle}", xaxis_title="block size (tokens)",
+                      xaxis=dict(type="log", tickvals=sorted(sweep.block_size.unique())),
+                      yaxis_title="KV GB/s", height=420)
+    return fig
+
+
+def targets(data: dict) -> pd.DataFrame:
+    """The attention kernels' speed targets, each computed from ``data``; a missing result never passes."""
+    def get(*path):
+        value = data
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    def ratio(a, b):
+        return a / b if a is not None and b else math.nan
+
+    copy = data.get("copy_gbps")
+    ours_us = get("prefill", "triton (ours)", "us")
+    rows = [
+        ("prefill: ours vs SDPA flash (speed ratio)", ratio(get("prefill", "sdpa flash", "us"),
+                                                            ours_us), 1.2, "must"),
+        ("prefill: ours vs FlexAttention", ratio(get("prefill", "flex", "us"), ours_us), 1.0,
+         "must"),
+        ("prefill: ours vs SDPA cuDNN", ratio(get("prefill", "sdpa cudnn", "us"), ours_us), 0.9,
+         "aim"),
+        ("decode: ours, fraction of copy bandwidth", ratio(get("decode", "auto", "gbps"), copy),
+         0.8, "must"),
+        ("decode: ours vs SDPA flash (speed ratio)", ratio(get("decode", "sdpa flash", "us"),
+                                                           get("decode", "auto", "us")), 1.3,
+         "must"),
+        *[(f"long context B{b}: split, fraction of copy bandwidth",
+           ratio(get("long_context", f"B{b} split (auto)", "gbps"), copy), 0.7, "must")
+          for b in (1, 2, 4)],
+        ("fp8 cache vs bf16 decode (speed ratio)", get("fp8", "speedup") or math.nan, 1.6,
+         "must"),
+    ]
+    df = pd.DataFrame(rows, columns=["target", "measured", "required", "kind"])
+    df["met"] = df.measured >= df.required  # NaN compares False: not measured is not met
+    return df
+
+
+def live_results() -> dict:
+    """Run ``benchmarks/attention.py`` here (a CUDA GPU): the same dict ``make record`` keeps."""
+    from labkit.tools.record import RECORDERS, resolve
+    return resolve(RECORDERS["attention_backends"]["kernels"])()

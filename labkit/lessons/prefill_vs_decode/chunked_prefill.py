@@ -1,0 +1,266 @@
+"""What prefill and decode cost a user of the engine: TTFT, TPOT, and the stall a long prompt
+causes to everyone already decoding, with and without chunked prefill.
+
+* TTFT (time to first token) is the wait for a request's prefill: it grows with its prompt and
+  with every prompt ahead of it in the step budget. TPOT (time per output token) is the decode
+  step time, shared by all running requests: it grows slowly with the batch while decode stays
+  memory-bound.
+* Without chunking, a long prompt is prefilled in one step, and every running request waits
+  for that whole step before its next token: a stall. Chunked prefill cuts the prompt into
+  pieces that fit a small token budget beside the decodes, so each step stays short (mixed
+  steps: some prefill tokens, some decode tokens).
+
+Every function drives a real :class:`~labkit.engine.LLM` through ``generate`` or
+``add_request`` + ``step``; ``record_engine`` runs them at H200 sizes for
+``prefill_decode.record``.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from labkit.measure.bench import TritonCompiles
+from labkit.engine import LLM, SamplingParams
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``num`` prompts of ``length`` token ids; distinct seeds give prompts the prefix cache
+    cannot serve, so every measurement pays its full prefill."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def _warm_up(llm: LLM) -> None:
+    """A small request first: first-call costs (allocations, lazy set-up) are not measured."""
+    llm.generate(random_prompts(2, 8, llm.config.vocab_size, -1), SamplingParams(max_tokens=3))
+
+
+def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 16,
+                  seed: int = 0) -> pd.DataFrame:
+    """For each (batch, prompt_len): ``batch`` requests arriving at once; mean and worst TTFT,
+    mean TPOT (ms), and the Triton compiles that still happened inside the timed run (0 under
+    the interpreter; ``compiled`` names the kernels). Every case runs once untimed first, whole
+    (other token ids, as many tokens out): a GPU compiles Triton kernel variants for new shapes
+    on first use, and a TTFT must not include a compile (on an H200 one did: 811 ms for a
+    single 512-token prompt). A shorter rehearsal is not enough: with two tokens out, requests
+    never decoded together in the step shapes of the timed run, and an H200 recording still
+    compiled once inside each case of 16+ requests or 1,024+ prompt tokens (~400 ms each)."""
+    bad = [(n, c) for n, c in enumerate(cases) if min(c) < 1]
+    if bad:
+        raise ValueError(f"case {bad[0][0]}: batch and prompt_len must be >= 1, got {bad[0][1]}")
+    vocab = llm.config.vocab_size
+    _warm_up(llm)
+    for n, (batch, prompt_len) in enumerate(cases):
+        llm.generate(random_prompts(batch, prompt_len, vocab, -2 - n),
+                     SamplingParams(max_tokens=max_tokens))
+    rows = []
+    for n, (batch, prompt_len) in enumerate(cases):
+        with TritonCompiles() as compiles:
+            outs = llm.generate(random_prompts(batch, prompt_len, vocab, seed + n),
+                                SamplingParams(max_tokens=max_tokens))
+        bad = [o.error for o in outs if not o.ok]
+        if bad:
+            raise ValueError(f"case (batch {batch}, prompt {prompt_len}) was refused: {bad[0]}")
+        ttft = pd.Series([o.ttft_s for o in outs]) * 1e3
+        tpot = pd.Series([o.tpot_s for o in outs if o.tpot_s is not None]) * 1e3
+        rows.append({"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
+                     "ttft_ms": ttft.mean(), "ttft_max_ms": ttft.max(),
+                     "tpot_ms": tpot.mean() if len(tpot) else float("nan"),
+                     "triton_compiles": compiles.count,
+                     "compiled": ", ".join(sorted(set(compiles.kernels)))})
+    return pd.DataFrame(rows)
+
+
+def latency_figure(df: pd.DataFrame, x: str, title: str) -> go.Figure:
+    """TTFT (mean and worst request) and TPOT over ``x`` ("batch" or "prompt_len")."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT (ms)", "TPOT (ms)"))
+    d = df.sort_values(x)
+    fig.add_scatter(x=d[x], y=d.ttft_ms, mode="lines+markers", name="TTFT, mean", row=1, col=1)
+    fig.add_scatter(x=d[x], y=d.ttft_max_ms, mode="lines+markers", name="TTFT, worst request",
+                    line=dict(dash="dot"), row=1, col=1)
+    fig.add_scatter(x=d[x], y=d.tpot_ms, mode="lines+markers", name="TPOT, mean", row=1, col=2)
+    label = {"batch": "requests arriving together", "prompt_len": "prompt tokens"}.get(x, x)
+    fig.update_xaxes(title_text=label, type="log")
+    fig.update_yaxes(rangemode="tozero")
+    return fig.update_layout(title=title, height=400)
+
+
+@dataclass
+class Interference:
+    """One run: requests decoding, then a long prompt arrives."""
+    chunked: bool
+    budget: int                 # max_num_batched_tokens
+    gaps: pd.DataFrame          # running requests: request, token, t_ms (since the long
+    #                             prompt arrived), gap_ms (since that request's previous token)
+    steps: pd.DataFrame         # llm.history_table() rows of this run
+    long_ttft_ms: float
+    triton_compiles: int | None = None  # during the timed run (None: not counted)
+
+    def to_dict(self) -> dict:
+        """Plain JSON: missing values (an eager step's graph_batch) as None, not NaN."""
+        def plain(df):
+            return df.astype(object).where(df.notna(), None).to_dict(orient="list")
+        return {"chunked": self.chunked, "budget": self.budget, "long_ttft_ms": self.long_ttft_ms,
+                "gaps": plain(self.gaps), "steps": plain(self.steps),
+                "triton_compiles": self.triton_compiles}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Interference":
+        return cls(d["chunked"], d["budget"], pd.DataFrame(d["gaps"]), pd.DataFrame(d["steps"]),
+                   d["long_ttft_ms"], d.get("triton_compiles"))
+
+    @property
+    def worst_gap_ms(self) -> float:
+        """Longest wait between two tokens of a running request after the long prompt came."""
+        return float(self.gaps[self.gaps.t_ms > 0].gap_ms.max())
+
+    @property
+    def prefill_gap_ms(self) -> float:
+        """Median wait between tokens while the long prompt was being prefilled (up to its
+        first token): the stall without chunking, the chunked steps with it."""
+        window = self.gaps[(self.gaps.t_ms > 0) & (self.gaps.t_ms <= self.long_ttft_ms + 1.0)]
+        return float(window.gap_ms.median())
+
+    @property
+    def steady_gap_ms(self) -> float:
+        """Median wait between tokens before the long prompt came."""
+        before = self.gaps[self.gaps.t_ms <= 0].gap_ms
+        return float(before.median()) if len(before) else float("nan")
+
+
+def _scenario(llm: LLM, num_running: int, running_prompt_len: int, running_tokens: int,
+              long_prompt_len: int, arrive_after_steps: int, seed: int):
+    """Run the scenario; returns (outputs, t0, t_long, running ids, long id)."""
+    vocab = llm.config.vocab_size
+    outputs = {}
+    t0 = time.perf_counter()  # the running requests arrive now
+    running = [llm.add_request(p, SamplingParams(max_tokens=running_tokens))
+               for p in random_prompts(num_running, running_prompt_len, vocab, seed)]
+    for _ in range(arrive_after_steps):
+        outputs.update({o.request_id: o for o in llm.step()})
+    t_long = time.perf_counter()
+    long_id = llm.add_request(random_prompts(1, long_prompt_len, vocab, seed + 1)[0],
+                              SamplingParams(max_tokens=2))
+    while llm.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in llm.step()})
+    errors = [o.error for o in outputs.values() if not o.ok]
+    if errors:
+        raise ValueError(f"a request was refused: {errors[0]}")
+    return outputs, t0, t_long, running, long_id
+
+
+def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int = 16,
+                     running_tokens: int = 32, long_prompt_len: int = 512,
+                     arrive_after_steps: int = 4, seed: int = 0) -> Interference:
+    """``num_running`` short requests start decoding; after ``arrive_after_steps`` steps a prompt
+    of ``long_prompt_len`` tokens arrives; step until all finish. The same scenario runs once
+    untimed first (other token ids), so the kernels of its step shapes are compiled before the
+    timed run; ``triton_compiles`` counts any that still happen inside it."""
+    if arrive_after_steps >= running_tokens - 2:
+        raise ValueError(f"arrive_after_steps={arrive_after_steps} leaves the running requests "
+                         f"(running_tokens={running_tokens}) no tokens to show the stall on; "
+                         "raise running_tokens or arrive earlier")
+    if llm.has_unfinished_requests():
+        raise RuntimeError("interference_run needs an idle engine: finish its requests first")
+    sched = llm.scheduler.config
+    shape = (num_running, running_prompt_len, running_tokens, long_prompt_len,
+             arrive_after_steps)
+    _warm_up(llm)
+    _scenario(llm, *shape, seed=seed + 1000)  # the rehearsal
+    first_step = len(llm.step_history)
+    with TritonCompiles() as compiles:
+        outputs, t0, t_long, running, long_id = _scenario(llm, *shape, seed=seed)
+    rows = []
+    for rid in running:
+        times = [(t0 + t - t_long) * 1e3 for t in outputs[rid].token_times_s]
+        rows += [{"request": rid, "token": k + 2, "t_ms": t, "gap_ms": t - prev}
+                 for k, (prev, t) in enumerate(zip(times, times[1:]))]
+    steps = llm.history_table().iloc[first_step:].reset_index(drop=True)
+    return Interference(sched.enable_chunked_prefill, sched.max_num_batched_tokens,
+                        pd.DataFrame(rows), steps, outputs[long_id].ttft_s * 1e3,
+                        compiles.count)
+
+
+def summary_table(runs: Sequence[Interference]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "chunked prefill": "on" if r.chunked else "off", "token budget": r.budget,
+        "steady gap (ms)": r.steady_gap_ms, "gap during the prefill (ms)": r.prefill_gap_ms,
+        "worst gap after arrival (ms)": r.worst_gap_ms,
+        "long prompt TTFT (ms)": r.long_ttft_ms, "steps": len(r.steps),
+        "Triton compiles in the run": r.triton_compiles,
+        "mixed steps": int(((r.steps.num_prefill_tokens > 0)
+                            & (r.steps.num_decode_tokens > 0)).sum())} for r in runs])
+
+
+def gaps_figure(runs: Sequence[Interference], title: str) -> go.Figure:
+    """Time between tokens of the running requests, over time since the long prompt came."""
+    fig = go.Figure()
+    for r in runs:
+        g = r.gaps.groupby("token", as_index=False).agg(t_ms=("t_ms", "mean"),
+                                                         gap_ms=("gap_ms", "max"))
+        # "vh": the wait ending at a token is drawn over the interval it lasted
+        fig.add_scatter(x=g.t_ms, y=g.gap_ms, mode="lines+markers", line_shape="vh",
+                        name=f"chunked prefill {'on' if r.chunked else 'off'} "
+                             f"(budget {r.budget})")
+    fig.add_vline(x=0, line_dash="dash", annotation_text="long prompt arrives")
+    fig.update_layout(title=title, height=420, xaxis_title="ms since the long prompt arrived",
+                      yaxis_title="time since the previous token (ms, worst request)")
+    return fig
+
+
+def composition_figure(runs: Sequence[Interference], title: str) -> go.Figure:
+    """Per step: prefill and decode tokens (stacked bars) and the step's time (line)."""
+    fig = make_subplots(rows=len(runs), cols=1, specs=[[{"secondary_y": True}]] * len(runs),
+                        subplot_titles=[f"chunked prefill {'on' if r.chunked else 'off'}, "
+                                        f"budget {r.budget}" for r in runs])
+    top_ms = max(r.steps.duration_ms.max() for r in runs)  # one time scale for every run
+    for i, r in enumerate(runs, start=1):
+        s, first = r.steps, i == 1
+        fig.add_bar(x=s.index, y=s.num_decode_tokens, name="decode tokens", row=i, col=1,
+                    marker_color="#d62728", showlegend=first)
+        fig.add_bar(x=s.index, y=s.num_prefill_tokens, name="prefill tokens", row=i, col=1,
+                    marker_color="#1f77b4", showlegend=first)
+        fig.add_scatter(x=s.index, y=s.duration_ms, mode="lines+markers", name="step time",
+                        line=dict(color="black"), row=i, col=1, secondary_y=True,
+                        showlegend=first)
+        fig.update_yaxes(title_text="tokens (log)", type="log", row=i, col=1, secondary_y=False)
+        fig.update_yaxes(title_text="step ms", range=[0, 1.05 * top_ms], row=i, col=1,
+                         secondary_y=True, tickmode="auto", showgrid=False)
+    fig.update_xaxes(title_text="step of the run")
+    return fig.update_layout(title=title, barmode="stack", height=300 * len(runs) + 120)
+
+
+def record_engine(model, *, latency_batches: Sequence[int] = (1, 4, 16, 64),
+                  latency_prompt: int = 512, latency_prompts: Sequence[int] = (
+                      128, 512, 1024, 2048, 3072), latency_batch: int = 4, max_tokens: int = 32,
+                  num_running: int = 16, running_tokens: int = 64, long_prompt: int = 3584,
+                  chunk_budget: int = 512, arrive_after: int = 8,
+                  kv_cache_memory: int | None = 8 * 2**30) -> dict:
+    """The engine half of ``prefill_decode.record``: TTFT/TPOT sweeps (one LLM, default token
+    budget), then the interference run with chunked prefill on and off (an LLM each), all on
+    ``model``. Defaults: the H200 sizes for bench_1b."""
+    import gc
+
+    def engine(**kwargs) -> LLM:
+        gc.collect()  # free the previous engine (and its KV cache) before making the next
+        return LLM(model, enable_prefix_caching=False, kv_cache_memory=kv_cache_memory, **kwargs)
+
+    llm = engine(max_num_seqs=max(*latency_batches, latency_batch))
+    by_batch = latency_sweep(llm, [(b, latency_prompt) for b in latency_batches], max_tokens)
+    by_prompt = latency_sweep(llm, [(latency_batch, n) for n in latency_prompts], max_tokens,
+                              seed=100)
+    del llm
+    runs = [interference_run(engine(enable_chunked_prefill=chunked, max_num_batched_tokens=budget,
+                                    max_num_seqs=num_running + 1),
+                             num_running=num_running, running_tokens=running_tokens,
+                             long_prompt_len=long_prompt, arrive_after_steps=arrive_after)
+            for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running))]
+    return {"by_batch": by_batch.to_dict(orient="list"),
+            "by_prompt": by_prompt.to_dict(orient="list"),
+            "interference": [r.to_dict() for r in runs]}

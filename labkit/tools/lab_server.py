@@ -1,0 +1,119 @@
+"""JupyterLab for the lab: bound to 127.0.0.1, always behind a token. `make lab` runs this.
+
+The same command serves the tests (``running_lab``), with fresh settings, workspace and runtime
+folders so a test never reads or writes the learner's own Jupyter state. To reach a lab on a
+remote GPU host, forward the port over SSH (see the README) rather than binding wider.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit.tools import NOTEBOOK_DIR
+
+
+def command(root_dir: Path = NOTEBOOK_DIR, port: int | None = None,
+            token: str | None = None, expose_app: bool = False) -> list[str]:
+    """The jupyter lab command line. Without ``token`` Jupyter generates one and prints the URL."""
+    cmd = [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={root_dir}",
+           "--ServerApp.ip=127.0.0.1", "--ServerApp.open_browser=False"]
+    if port is not None:
+        cmd += [f"--ServerApp.port={port}", "--ServerApp.port_retries=0"]
+    if token is not None:
+        if not token:
+            raise ValueError("an empty token would let anyone on this machine run code: refused")
+        cmd.append(f"--IdentityProvider.token={token}")
+    if expose_app:  # lets a browser test drive JupyterLab's command registry
+        cmd.append("--LabApp.expose_app_in_browser=True")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")  # containers and CI run as root; Jupyter refuses without this
+    return cmd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str) -> int:
+    """HTTP status of a GET, or 0 while nothing listens."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+@dataclass
+class RunningLab:
+    base_url: str
+    token: str
+    process: subprocess.Popen
+    root_dir: Path
+
+    def url(self, path: str = "lab") -> str:
+        sep = "&" if "?" in path else "?"
+        return f"{self.base_url}/{path}{sep}token={self.token}"
+
+
+@contextlib.contextmanager
+def running_lab(root_dir: Path = NOTEBOOK_DIR, start_timeout_s: float = 90, expose_app=False,
+                windowed: bool = True):
+    """Start JupyterLab with a random token and fresh state folders; stop it and its children."""
+    port, token = free_port(), secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="labkit-jupyter-") as state:
+        env = dict(os.environ, JUPYTER_CONFIG_DIR=f"{state}/config",
+                   JUPYTER_RUNTIME_DIR=f"{state}/runtime", JUPYTER_DATA_DIR=f"{state}/data",
+                   JUPYTERLAB_SETTINGS_DIR=f"{state}/settings",
+                   JUPYTERLAB_WORKSPACES_DIR=f"{state}/workspaces", IPYTHONDIR=f"{state}/ipython")
+        # Kernels are found through sys.prefix too, so the venv's python3 kernel stays visible.
+        settings = {"apputils-extension/notification": '{"fetchNews": "false", "checkForUpdates": false}'}
+        if not windowed:  # render every cell, so a test can see every output
+            settings["notebook-extension/tracker"] = '{"windowingMode": "none"}'
+        for name, text in settings.items():
+            path = Path(f"{state}/settings/@jupyterlab/{name}.jupyterlab-settings")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        proc = subprocess.Popen(command(root_dir, port, token, expose_app), env=env,
+                                stdout=subprocess.DEVNULL, stderr=open(f"{state}/server.log", "w"),
+                                start_new_session=True)
+        lab = RunningLab(f"http://127.0.0.1:{port}", token, proc, Path(root_dir))
+        try:
+            deadline = time.time() + start_timeout_s
+            while http_status(lab.url("api/status")) != 200:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"jupyter lab exited at start:\n{open(f'{state}/server.log').read()[-3000:]}")
+                if time.time() > deadline:
+                    raise TimeoutError(f"jupyter lab did not answer within {start_timeout_s} s")
+                time.sleep(0.3)
+            yield lab
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def main() -> int:
+    return subprocess.call(command())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

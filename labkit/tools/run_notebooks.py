@@ -1,0 +1,120 @@
+"""Execute notebooks headless through papermill, as `make run`, `make gpu-check` and the tests do.
+
+A notebook declares its parameters in a cell tagged ``parameters``; passing a name it does not
+declare is an error here (papermill itself would only warn), so a renamed parameter cannot
+silently leave a notebook running at its defaults. Notebook metadata ``labkit`` holds
+``expected_figures`` and ``time_budget_s``, checked after the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from labkit.device import fingerprint
+from labkit.tools import NOTEBOOK_DIR
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+@dataclass
+class NotebookRun:
+    notebook: str
+    status: str  # "ok" or "failed"
+    seconds: float
+    figures: int
+    expected_figures: int
+    time_budget_s: float | None
+    output: str
+    size_bytes: int
+    error: str = ""
+
+
+def notebooks(directory: Path = NOTEBOOK_DIR) -> list[Path]:
+    return sorted(p for p in directory.glob("[0-9][0-9]_*.ipynb"))
+
+
+def declared_parameters(path: Path) -> set[str]:
+    import papermill
+
+    return set(papermill.inspect_notebook(str(path)))
+
+
+def lab_metadata(nb: dict) -> dict:
+    return nb.get("metadata", {}).get("labkit", {})
+
+
+def count_figures(nb: dict) -> int:
+    return sum(PLOTLY_MIME in out.get("data", {})
+               for cell in nb.get("cells", []) if cell.get("cell_type") == "code"
+               for out in cell.get("outputs", []))
+
+
+def execute(path: Path, out_dir: Path, parameters: dict, timeout_s: int = 1800) -> NotebookRun:
+    import papermill
+
+    unknown = set(parameters) - declared_parameters(path)
+    if unknown:
+        raise ValueError(f"{path.name} declares no parameter(s) {sorted(unknown)}; its "
+                         f"parameters cell has {sorted(declared_parameters(path))}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / path.name
+    t0 = time.perf_counter()
+    error = ""
+    try:
+        papermill.execute_notebook(str(path), str(out), parameters=parameters,
+                                   kernel_name="python3", cwd=str(path.parent),
+                                   execution_timeout=timeout_s, progress_bar=False)
+    except Exception as e:  # papermill raises PapermillExecutionError with the cell's traceback
+        error = f"{type(e).__name__}: {e}"
+    seconds = time.perf_counter() - t0
+    nb = json.loads(out.read_text()) if out.exists() else {}
+    meta = lab_metadata(nb)
+    return NotebookRun(
+        notebook=path.stem, status="failed" if error else "ok", seconds=round(seconds, 1),
+        figures=count_figures(nb), expected_figures=int(meta.get("expected_figures", 0)),
+        time_budget_s=meta.get("time_budget_s"), output=str(out),
+        size_bytes=out.stat().st_size if out.exists() else 0, error=error)
+
+
+def summary_table(runs: list[NotebookRun]) -> str:
+    lines = [f"{'notebook':<28} {'status':<7} {'seconds':>8} {'figures':>8} {'size':>9}"]
+    for r in runs:
+        lines.append(f"{r.notebook:<28} {r.status:<7} {r.seconds:>8.1f} "
+                     f"{r.figures:>4}/{r.expected_figures:<3} {r.size_bytes / 1e3:>7.0f}kB")
+    ok = sum(r.status == "ok" for r in runs)
+    lines.append(f"{ok} passed, {len(runs) - ok} failed")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--quick", action="store_true", help="small sizes (as the tests run)")
+    parser.add_argument("names", nargs="*", help="notebook stems or prefixes (default: all)")
+    args = parser.parse_args(argv)
+    paths = [p for p in notebooks()
+             if not args.names or any(p.stem.startswith(n) for n in args.names)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Which machine made these numbers: handouts print it at the top of every page.
+    (args.out / "fingerprint.json").write_text(json.dumps(fingerprint(), indent=1))
+    runs = []
+    for path in paths:
+        print(f"running {path.name} ...", flush=True)
+        run = execute(path, args.out, {"DEVICE": args.device, "QUICK": args.quick})
+        runs.append(run)
+        if run.error:
+            print(run.error.splitlines()[-1] if run.error.strip() else run.error, flush=True)
+    (args.out / "summary.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    table = summary_table(runs)
+    (args.out / "summary.txt").write_text(table + "\n")
+    print(table)
+    return 0 if all(r.status == "ok" for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
