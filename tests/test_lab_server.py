@@ -38,3 +38,39 @@ def test_lab_serves_the_notebooks_to_the_token_holder_only():
             "without the token the server refuses"
         proc = lab.process
     assert proc.poll() is not None, "the server is stopped when the context ends"
+
+
+def test_lab_server_help_prints_usage_and_starts_nothing():
+    out = subprocess.run([sys.executable, "-m", "labkit.tools.lab_server", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "usage:" in out.stdout and "--port" in out.stdout
+
+
+def test_sigterm_to_what_make_lab_starts_stops_the_server(tmp_path):
+    """`make lab` runs `python -m labkit.tools.lab_server`: a SIGTERM to that process must close
+    the port, not leave JupyterLab running under init."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    port = lab_server.free_port()
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_DATA_DIR=str(tmp_path / "data"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), IPYTHONDIR=str(tmp_path / "ipy"))
+    proc = subprocess.Popen([sys.executable, "-m", "labkit.tools.lab_server", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while lab_server.http_status(f"http://127.0.0.1:{port}/api/status") == 0:
+            assert proc.poll() is None, "the lab server exited at start"
+            assert time.time() < deadline, "the lab server did not listen within 90 s"
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert lab_server.http_status(f"http://127.0.0.1:{port}/api/status") == 0, \
+            "after SIGTERM nothing may listen on the lab's port"
+    finally:  # whatever the wrapper left behind is in its process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ remote GPU host, forward the port over SSH (see the README) rather than binding 
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import secrets
@@ -111,8 +112,23 @@ def running_lab(root_dir: Path = NOTEBOOK_DIR, start_timeout_s: float = 90, expo
                 proc.wait(timeout=10)
 
 
-def main() -> int:
-    return subprocess.call(command())
+def main(argv: list[str] | None = None) -> int:
+    """Replace this process by JupyterLab (``exec``), so a signal sent to what ``make lab``
+    started (Ctrl-C, ``kill -TERM``) reaches the server itself and it shuts down with its
+    kernels, rather than leaving them running without a parent."""
+    parser = argparse.ArgumentParser(
+        description="JupyterLab on 127.0.0.1 behind a token, rooted at notebooks/ (`make lab`).")
+    parser.add_argument("--port", type=int, help="port to listen on (default: Jupyter's 8888 "
+                        "or the next free one)")
+    parser.add_argument("--root-dir", type=Path, default=NOTEBOOK_DIR,
+                        help="folder to serve (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    cmd = command(args.root_dir, args.port)
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+    return 0  # not reached: exec does not return
 
 
 if __name__ == "__main__":
