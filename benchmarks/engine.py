@@ -38,9 +38,9 @@ import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit.measure.bench import TritonCompiles
-from labkit.device import describe, fingerprint
+from labkit.device import describe, fingerprint, free_memory, synchronize
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
-from labkit.lessons.putting_it_together.transformers_peer import release, run_transformers, summary
+from labkit.lessons.putting_it_together.transformers_peer import run_transformers, summary
 
 SECTIONS = ("labkit", "labkit_unfused", "labkit_eager", "prefix_cached", "prefix_uncached",
             "transformers")
@@ -120,8 +120,7 @@ def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
         with TritonCompiles() as compiles:  # should stay 0: the warm-up compiled them
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
-            if llm.device.type == "cuda":
-                torch.cuda.synchronize(llm.device)
+            synchronize(llm.device)
             seconds = time.perf_counter() - t0
         errors = [f"request {o.index}: {o.error}" for o in outs if o.error]
         if errors:
@@ -140,12 +139,12 @@ def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
             [o.token_ids for o in outs]
     finally:
         del llm
-        release()
+        free_memory(model.embed_tokens.device)  # one section's cache must not crowd the next
 
 
 # --- the run ----------------------------------------------------------------------------------
 
-def _section(results, name, fn):
+def _section(results, name, fn, device):
     try:
         summary, tokens = fn()
         results["sections"][name] = summary
@@ -153,7 +152,7 @@ def _section(results, name, fn):
     except Exception as exc:  # noqa: BLE001  (a failed section is reported; the rest go on)
         print(f"  {name}: FAILED ({type(exc).__name__}: {str(exc)[:300]})")
         results["sections"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        release()
+        free_memory(device)
         return None
 
 
@@ -186,26 +185,29 @@ def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | N
           f"{wl.dtype}")
     model = random_model(wl.config, seed=wl.seed, device=device, dtype=wl.torch_dtype,
                          std=wl.init_std)
-    ours = _section(results, "labkit", lambda: run_labkit(model, prompts, olens, wl))
+    ours = _section(results, "labkit", lambda: run_labkit(model, prompts, olens, wl), device)
     _section(results, "labkit_unfused",
-             lambda: run_labkit(model, prompts, olens, wl, fused_ops=False))
+             lambda: run_labkit(model, prompts, olens, wl, fused_ops=False), device)
     _section(results, "labkit_eager",
-             lambda: run_labkit(model, prompts, olens, wl, enforce_eager=True, fused_ops=False))
+             lambda: run_labkit(model, prompts, olens, wl, enforce_eager=True, fused_ops=False),
+             device)
     shared = [system + p for p in prompts]
-    _section(results, "prefix_cached", lambda: run_labkit(model, shared, olens, wl))
+    _section(results, "prefix_cached", lambda: run_labkit(model, shared, olens, wl), device)
     _section(results, "prefix_uncached",
-             lambda: run_labkit(model, shared, olens, wl, enable_prefix_caching=False))
+             lambda: run_labkit(model, shared, olens, wl, enable_prefix_caching=False),
+             device)
     with tempfile.TemporaryDirectory(prefix="labkit_bench_") as tmp:
         theirs = None
         try:
             save_weights(model, tmp)
             del model
-            release()
+            free_memory(device)
             theirs = _section(results, "transformers",
                               lambda: run_transformers(
                                   tmp, prompts, olens, device=device, dtype=wl.torch_dtype,
                                   batch_size=wl.hf_batch_size,
-                                  compile_forward=device.type == "cuda" and not wl.quick))
+                                  compile_forward=device.type == "cuda" and not wl.quick),
+                              device)
         except Exception as exc:  # noqa: BLE001
             results["sections"]["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  transformers: FAILED ({type(exc).__name__}: {exc})")

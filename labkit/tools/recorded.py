@@ -17,6 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from labkit.device import describe, fingerprint
@@ -51,6 +52,11 @@ class Recorded:
 
 class RecordingMissing(LookupError):
     pass
+
+
+def json_columns(df: pd.DataFrame) -> dict:
+    """A table as JSON-ready columns for a recording: missing values (NaN) become None."""
+    return df.astype(object).where(df.notna(), None).to_dict(orient="list")
 
 
 def available() -> list[str]:

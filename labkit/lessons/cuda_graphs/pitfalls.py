@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from labkit.device import synchronize
 from labkit.graphs import capture_graph
 
 
@@ -43,12 +44,6 @@ def capture(fn: Callable, *args, warmup: int = 2) -> Captured:
     return Captured(fn, args, warmup)
 
 
-def _sync(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    return x
-
-
 def step(x: torch.Tensor) -> torch.Tensor:
     """A stand-in decode step: any elementwise work will do."""
     return x * 2 + 1
@@ -62,10 +57,12 @@ def rebinding_vs_copy(device) -> dict:
     expected = step(next_batch)
     static_in = next_batch          # the bug: a new object, unknown to the graph
     g.replay()
-    stale = _sync(g.outputs).clone()
+    synchronize(device)
+    stale = g.outputs.clone()
     g.args[0].copy_(next_batch)     # the fix: write into the captured buffer
     g.replay()
-    fixed = _sync(g.outputs).clone()
+    synchronize(device)
+    fixed = g.outputs.clone()
     return {"expected": expected.tolist(), "after_rebinding": stale.tolist(),
             "after_copy_": fixed.tolist(), "rebinding_is_stale": not torch.equal(stale, expected),
             "copy_is_right": torch.equal(fixed, expected)}
@@ -78,10 +75,11 @@ def output_overwritten(device) -> dict:
     static_in.copy_(torch.full((4,), 1.0, device=device))
     g.replay()
     first = g.outputs                # a reference, not a copy
-    first_value = _sync(first).clone()
+    synchronize(device)
+    first_value = first.clone()
     static_in.copy_(torch.full((4,), 10.0, device=device))
     g.replay()
-    _sync(first)
+    synchronize(device)
     return {"first_result_then": first_value.tolist(), "first_result_now": first.tolist(),
             "kept_reference_changed": not torch.equal(first, first_value),
             "clone_would_have_kept": first_value.tolist()}
@@ -102,9 +100,10 @@ def frozen_choice(device) -> dict:
     keys, q = torch.randn(256, 16, device=device), torch.randn(16, device=device)
     g = capture(attend_prefix, q, keys, 32)   # captured while the context was 32 tokens
     g.replay()
+    synchronize(device)
     expected_long = attend_prefix(q, keys, 200)
     return {"captured_context": 32, "replayed_for_context": 200,
-            "graph_result": _sync(g.outputs).item(), "correct_result": expected_long.item(),
+            "graph_result": g.outputs.item(), "correct_result": expected_long.item(),
             "graph_is_wrong": not torch.allclose(g.outputs, expected_long)}
 
 

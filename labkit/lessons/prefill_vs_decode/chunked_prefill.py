@@ -27,6 +27,7 @@ from plotly.subplots import make_subplots
 
 from labkit.measure.bench import TritonCompiles
 from labkit.engine import LLM, SamplingParams
+from labkit.tools.recorded import json_columns
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -104,10 +105,8 @@ class Interference:
 
     def to_dict(self) -> dict:
         """Plain JSON: missing values (an eager step's graph_batch) as None, not NaN."""
-        def plain(df):
-            return df.astype(object).where(df.notna(), None).to_dict(orient="list")
         return {"chunked": self.chunked, "budget": self.budget, "long_ttft_ms": self.long_ttft_ms,
-                "gaps": plain(self.gaps), "steps": plain(self.steps),
+                "gaps": json_columns(self.gaps), "steps": json_columns(self.steps),
                 "triton_compiles": self.triton_compiles}
 
     @classmethod

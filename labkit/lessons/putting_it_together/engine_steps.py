@@ -25,17 +25,19 @@ import pandas as pd
 import torch
 from torch.profiler import record_function
 
+from labkit.device import free_memory
 from labkit.measure import bench
 from labkit.graphs.bucket_planner import padding_waste, plan_buckets, powers_of_two
 from labkit.engine import LLM, SamplingParams
 from labkit.engine.runner import PAD
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
-from labkit.lessons.putting_it_together.experiment import Workload, engine_options, plain, release
+from labkit.lessons.putting_it_together.workload import Workload, engine_options
 from labkit.graphs import GraphPool
 from labkit.kvcache import BlockManager
 from labkit.measure import intervals
 from labkit.measure.events import summarize
 from labkit.measure.profile import Trace, trace
+from labkit.tools.recorded import json_columns
 
 STEP = "engine step"
 
@@ -245,12 +247,12 @@ def record_steps(model, *, timeline: Workload | None = None, server: Workload | 
     times = decode_step_times(llm, list(batches), context_len)
     step_backend = llm.backend
     del llm
-    release(model.embed_tokens.device)
+    free_memory(model.embed_tokens.device)
     seen = decode_batches(simulate_schedule(server))
     # 3000 events keep every kernel, launch and step annotation of a 1B model's few steps
     return {"trace": t.to_dict(max_events=3000), "trace_numbers": timeline_numbers(t),
-            "timeline_workload": asdict(timeline), "step_times": plain(times),
+            "timeline_workload": asdict(timeline), "step_times": json_columns(times),
             "step_times_backend": step_backend, "context_len": context_len,
             "server_workload": asdict(server), "server_decode_batches": seen,
-            "bucket_costs": plain(bucket_costs(seen, bucket_sets(seen), times)),
+            "bucket_costs": json_columns(bucket_costs(seen, bucket_sets(seen), times)),
             "seconds": {"timeline": t1 - t0, "padding": time.perf_counter() - t1}}

@@ -13,9 +13,6 @@ The timeline of a few steps and the padding study are in :mod:`labkit.lessons.pu
 """
 from __future__ import annotations
 
-import gc
-import math
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,56 +22,17 @@ import pandas as pd
 import torch
 
 from labkit.attention import BACKENDS, PRIORITY, BackendUnavailable
-from labkit.device import select_device
-from labkit.engine import LLM, LlamaModel, ModelConfig, SamplingParams, random_model
+from labkit.device import free_memory, select_device, synchronize
+from labkit.engine import LLM, LlamaModel, ModelConfig, random_model
 from labkit.engine.runner import CPU_SLOW
+from labkit.lessons.putting_it_together.workload import Workload, engine_options
+from labkit.tools.recorded import json_columns
 
 MODES = ("eager", "graph")
 COLUMNS = ["backend", "mode", "status", "chosen", "reason", "build_s", "capture_ms", "graphs",
            "first_run_s", "steady_run_s", "warmup_s", "decode_step_ms", "tpot_ms", "ttft_ms",
            "output_tok_s", "steps", "graph_steps", "padded_rows", "pool_padded_rows",
            "graph_MiB", "engine_MiB", "kv_cache_MiB", "warm_start", "same_first_token"]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Requests drawn from one seed: prompt and output lengths uniform in the inclusive ranges."""
-    num_requests: int = 16
-    prompt_len: tuple[int, int] = (16, 256)
-    output_len: tuple[int, int] = (16, 64)
-    seed: int = 0
-
-    def __post_init__(self):
-        if not isinstance(self.num_requests, int) or self.num_requests < 1:
-            raise ValueError(f"num_requests must be a positive int, got {self.num_requests!r}")
-        for name in ("prompt_len", "output_len"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got "
-                                 f"{(lo, hi)}")
-            object.__setattr__(self, name, (lo, hi))  # a list from a notebook, kept hashable
-
-    @property
-    def max_len(self) -> int:
-        return self.prompt_len[1] + self.output_len[1]
-
-    def requests(self, vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
-        rng = random.Random(self.seed)
-        prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*self.prompt_len))]
-                   for _ in range(self.num_requests)]
-        params = [SamplingParams(max_tokens=rng.randint(*self.output_len))
-                  for _ in range(self.num_requests)]
-        return prompts, params
-
-
-def engine_options(workload: Workload, block_size: int = 16) -> dict:
-    """LLM options for the experiment: every request runs at once, the cache holds them all,
-    and prefix caching is off so a repeat of the workload computes exactly what the first did."""
-    blocks = workload.num_requests * math.ceil(workload.max_len / block_size)
-    return dict(num_blocks=blocks, block_size=block_size, max_num_seqs=workload.num_requests,
-                max_model_len=workload.max_len,
-                max_num_batched_tokens=max(2048, workload.num_requests),
-                enable_prefix_caching=False)
 
 
 # Seen on the H200 (torch 2.11): the first recording ran flex for over 140 s and was stopped.
@@ -91,22 +49,6 @@ def slow_here(device: torch.device) -> dict[str, str]:
         return {"flex": FLEX_IN_THE_ENGINE}
     return {name: f"not run, to keep this run short: {why.split(';')[0]}"
             for name, why in CPU_SLOW.items()}
-
-
-def plain(df: pd.DataFrame) -> dict:
-    """A DataFrame as JSON-ready columns: NaN becomes None."""
-    return df.astype(object).where(df.notna(), None).to_dict(orient="list")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -128,10 +70,10 @@ class Run:
 def timed_generate(llm: LLM, prompts, params) -> Run:
     graphs = llm.runner.graphs
     first, padded0 = len(llm.step_history), graphs.stats.padded_rows if graphs else 0
-    _sync(llm.device)
+    synchronize(llm.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
-    _sync(llm.device)
+    synchronize(llm.device)
     return Run(outs, time.perf_counter() - t0, llm.step_history[first:],
                graphs.stats.padded_rows - padded0 if graphs else 0)
 
@@ -157,7 +99,7 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
     if backend in (skip or {}):
         return row | {"status": "skipped", "reason": skip[backend]}, [], None
     prompts, params = workload.requests(model.config.vocab_size)
-    release(dev)
+    free_memory(dev)
     mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
     t0 = time.perf_counter()
     try:
@@ -166,7 +108,7 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
     except BackendUnavailable as e:
         why = "; ".join(e.reasons.get(backend, [])) or str(e).splitlines()[0]
         return row | {"status": "refused", "reason": why}, [], None
-    _sync(dev)
+    synchronize(dev)
     row["build_s"] = time.perf_counter() - t0
     graphs = llm.runner.graphs
     if dev.type == "cuda":
@@ -181,7 +123,7 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
                       key=lambda r: r.seconds)
     except Exception as e:  # noqa: BLE001 (a backend that breaks mid-run is a result too)
         del llm
-        release(dev)
+        free_memory(dev)
         return row | {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:300]}, [], None
     run = runs[len(runs) // 2]
     n_out = sum(len(o.token_ids) for o in run.outputs)
@@ -196,7 +138,7 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
                pool_padded_rows=run.pool_padded_rows)
     log = llm.selection_log
     del llm
-    release(dev)
+    free_memory(dev)
     return row, log, [o.token_ids for o in run.outputs]
 
 
@@ -208,7 +150,7 @@ class Experiment:
     workload: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"table": plain(self.table), "selection_logs": self.selection_logs,
+        return {"table": json_columns(self.table), "selection_logs": self.selection_logs,
                 "model": self.model, "workload": self.workload}
 
     @classmethod

@@ -4,15 +4,16 @@
 decode forward compiled (transformers' own auto-compile, or ``torch.compile`` on older
 versions), in batches of requests with similar prompt lengths (left padding). Only each
 request's own output tokens count; the rest of a batch's longest output is ``wasted_tokens``.
-Used by ``benchmarks/engine.py``; ``summary`` and ``release`` are shared with its labkit runs.
+Used by ``benchmarks/engine.py``; ``summary`` is shared with its labkit runs.
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
 import torch
+
+from labkit.device import free_memory, synchronize
 
 
 def median_ms(values) -> float | None:
@@ -27,13 +28,6 @@ def summary(tokens: int, seconds: float, ttfts, tpots, **extra) -> dict:
             "ttft_median_ms": median_ms(ttfts), "tpot_median_ms": median_ms(tpots), **extra}
 
 
-def release():
-    """Hand freed memory back between runs, so one section's cache does not crowd the next."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 class _StepClock:
     """A stopping criterion that never stops (or stops after ``stop_after`` tokens, for warm-up)
     and notes when each generated token exists: transformers calls it once per token."""
@@ -42,8 +36,7 @@ class _StepClock:
         self.device, self.stop_after, self.times = device, stop_after, []
 
     def __call__(self, input_ids, scores, **kwargs):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         self.times.append(time.perf_counter())
         done = self.stop_after is not None and len(self.times) >= self.stop_after
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
@@ -146,4 +139,4 @@ def run_transformers(path, prompts: list[list[int]], olens: list[int], *, device
                         batch_seconds=batch_seconds), tokens
     finally:
         del hf
-        release()
+        free_memory(device)  # one section's cache must not crowd the next

@@ -22,8 +22,10 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
-from labkit.measure import bench
+from labkit.device import synchronize
 from labkit.lessons.torch_compile.pipeline import no_caches
+from labkit.measure import bench
+from labkit.tools.recorded import json_columns
 
 STRATEGIES = ("static", "automatic", "dynamic", "buckets")
 _DYNAMIC = {"static": False, "automatic": None, "dynamic": True, "buckets": False}
@@ -225,11 +227,6 @@ def guard_overhead(entries: int = 8, dim: int = 16, repeats: int = 15) -> pd.Dat
                           "extra_us_vs_eager": t.median_us - eager_us} for name, t in rows])
 
 
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def compile_modes(model: torch.nn.Module, x: torch.Tensor, modes: Sequence[str] = ("default",),
                   repeats: int = 20, cold: bool = True) -> pd.DataFrame:
     """First call (compile) against steady-state latency, eager and per mode.
@@ -241,7 +238,7 @@ def compile_modes(model: torch.nn.Module, x: torch.Tensor, modes: Sequence[str] 
     with torch.no_grad():
         t0 = time.perf_counter()
         expected = model(x)
-        _sync(x.device)
+        synchronize(x.device)
         first = time.perf_counter() - t0
         t = bench.measure(model, lambda: (x,), device=x.device, repeats=repeats, rotate=False)
         rows.append({"mode": "eager", "first_call_s": first, "steady_us": t.median_us,
@@ -252,7 +249,7 @@ def compile_modes(model: torch.nn.Module, x: torch.Tensor, modes: Sequence[str] 
             with no_caches() if cold else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 out = compiled(x).clone()  # reduce-overhead: the next call overwrites its output
-                _sync(x.device)
+                synchronize(x.device)
                 first = time.perf_counter() - t0
                 t = bench.measure(compiled, lambda: (x,), device=x.device, repeats=repeats,
                                   rotate=False)
@@ -362,7 +359,7 @@ def record() -> dict:
     modes = compile_modes(block, x, ("default", "reduce-overhead", "max-autotune"), repeats=50)
     stage = inductor_code(block, x)
     return {"block": {"dim": cfg.dim, "hidden": cfg.hidden, "batch": 8, "dtype": "bfloat16"},
-            "modes": modes.astype(object).where(modes.notna(), None).to_dict(orient="list"),
+            "modes": json_columns(modes),
             "output_overwritten": output_overwritten(),
             "mutated_input": mutated_input_skips_graphs(),
             "triton_kernels": stage.kernels, "extern_calls": stage.extern_calls,

@@ -25,7 +25,8 @@ from labkit.graphs.bucket_planner import padding_waste
 from labkit.engine import LLM
 from labkit.lessons.putting_it_together.engine_steps import decode_batches, simulate_schedule, step_overlap
 from labkit.teaching.exercises import Case, Exercise
-from labkit.lessons.putting_it_together.experiment import Workload, engine_options, timed_generate
+from labkit.lessons.putting_it_together.experiment import timed_generate
+from labkit.lessons.putting_it_together.workload import Workload, engine_options
 from labkit.measure import intervals
 from labkit.measure.events import EVENT_COLUMNS
 from labkit.measure.profile import Trace
