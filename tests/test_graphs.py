@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 
-from labkit.graphs import GraphPool
+from labkit.graphs import GraphPool, bucket_for
 
 gpu = pytest.mark.gpu
 
@@ -45,6 +45,13 @@ def test_key_for_picks_the_smallest_bucket_that_holds_the_batch():
     assert pool.key_for(3, 100) == (4, 512)
     assert pool.key_for(4, 513) == (4, 4096)
     assert pool.key_for(9, 100) is None and pool.key_for(1, 5000) is None
+
+
+def test_bucket_for_is_the_smallest_bucket_at_least_n_whatever_the_order():
+    assert [bucket_for(n, (8, 1, 4)) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
+    assert bucket_for(9, (8, 1, 4), default=None) is None, "too big: the caller runs it eagerly"
+    with pytest.raises(ValueError, match="batch 9 is larger than the largest bucket 8"):
+        bucket_for(9, (8, 1, 4))
 
 
 @gpu

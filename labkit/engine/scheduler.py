@@ -29,7 +29,6 @@ dropped (the price of not waiting for the GPU).
 """
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import asdict, dataclass
 from operator import index
@@ -37,6 +36,7 @@ from typing import Hashable, Sequence
 
 from labkit.engine.request import (PENDING, Request, ScheduledSeq, ScheduledStep, Status,
                                    StepStats)
+from labkit.graphs import bucket_for
 from labkit.kvcache.block_manager import BlockManager
 
 __all__ = ["Request", "ScheduledSeq", "ScheduledStep", "Scheduler", "SchedulerConfig", "Status",
@@ -295,8 +295,8 @@ class Scheduler:
         padded = 0
         buckets = self.config.decode_buckets
         if buckets and decode and not prefill:
-            i = bisect.bisect_left(buckets, len(decode))
-            padded = buckets[i] - len(decode) if i < len(buckets) else 0  # too big: eager
+            bucket = bucket_for(len(decode), buckets, default=None)  # None: too big, eager
+            padded = 0 if bucket is None else bucket - len(decode)
         return StepStats(self._next_step, sum(r.num_tokens for r in prefill), len(decode),
                          len(prefill), len(decode), padded, hit_tokens, num_preempted,
                          len(self.running), len(self.waiting))

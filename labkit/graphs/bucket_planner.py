@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from labkit.graphs.buckets import bucket_for
+
 
 @dataclass(frozen=True)
 class BucketPlan:
@@ -36,7 +38,7 @@ def padding_waste(batch_sizes: Iterable[int], buckets: Sequence[int]) -> BucketP
     buckets = tuple(sorted(set(buckets)))
     padded = real = eager = 0
     for size, count in Counter(batch_sizes).items():
-        bucket = next((b for b in buckets if b >= size), None)
+        bucket = bucket_for(size, buckets, default=None)
         if bucket is None:
             eager += count
             continue
@@ -126,7 +128,7 @@ def padding_by_bucket(batch_sizes: Iterable[int], buckets: Sequence[int]):
     buckets = tuple(sorted(set(buckets)))
     rows = {b: {"bucket": b, "steps": 0, "real_rows": 0, "padded_rows": 0} for b in buckets}
     for size, count in Counter(batch_sizes).items():
-        bucket = next((b for b in buckets if b >= size), None)
+        bucket = bucket_for(size, buckets, default=None)
         if bucket is not None:
             r = rows[bucket]
             r["steps"] += count

@@ -12,7 +12,6 @@ context length: the choice is frozen into each graph, so each choice needs its o
 """
 from __future__ import annotations
 
-import bisect
 import time
 import warnings
 from collections import Counter
@@ -21,6 +20,8 @@ from typing import Callable, Sequence
 
 import pandas as pd
 import torch
+
+from labkit.graphs.buckets import bucket_for
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -203,13 +204,11 @@ class GraphPool:
 
     def key_for(self, batch: int, context: int | None = None) -> tuple | None:
         """The smallest captured key that holds this batch (and context), or None."""
-        i = bisect.bisect_left(self.buckets, batch)
-        if i == len(self.buckets):
-            return None
-        if self.context_buckets is None:
-            return (self.buckets[i],)
-        j = bisect.bisect_left(self.context_buckets, context)
-        return None if j == len(self.context_buckets) else (self.buckets[i], self.context_buckets[j])
+        bucket = bucket_for(batch, self.buckets, default=None)
+        if bucket is None or self.context_buckets is None:
+            return None if bucket is None else (bucket,)
+        ctx = bucket_for(context, self.context_buckets, default=None)
+        return None if ctx is None else (bucket, ctx)
 
     def __call__(self, *inputs: torch.Tensor, context: int | None = None):
         if (context is None) != (self.context_buckets is None):

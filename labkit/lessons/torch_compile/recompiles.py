@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from labkit.device import synchronize
+from labkit.graphs import bucket_for
 from labkit.lessons.torch_compile.pipeline import no_caches
 from labkit.measure import bench
 from labkit.tools.recorded import json_columns
@@ -94,14 +95,6 @@ class CompileCounter:
             return compiled(*args)
 
         return run
-
-
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    fitting = [b for b in sorted(buckets) if b >= n]
-    if not fitting:
-        raise ValueError(f"batch {n} is larger than the largest bucket {max(buckets)}; add a "
-                         "bucket at least that large or run such batches eagerly")
-    return fitting[0]
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:  # x: [n, ...] -> [rows, ...]
