@@ -24,7 +24,7 @@ import torch
 
 import labkit  # noqa: F401
 from labkit.measure.bench import gbps, measure, tflops
-from labkit.device import describe, fingerprint
+from labkit.device import describe, fingerprint, free_memory, synchronize
 
 DEV = "cuda"
 
@@ -45,7 +45,7 @@ def _try(label, fn, graph: bool = False):
     time it replayed from a CUDA Graph, like our decode kernel, so neither pays launch cost."""
     try:
         fn()
-        torch.cuda.synchronize()
+        synchronize(DEV)
         if graph:
             from labkit.graphs import capture_graph
             fn = capture_graph(fn)[0].replay
@@ -258,7 +258,7 @@ def run(out_dir: Path | None = None) -> dict:
         except Exception as exc:  # noqa: BLE001  (one failed section must not hide the others)
             print(f"{name}: FAILED ({type(exc).__name__}: {exc})")
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        torch.cuda.empty_cache()
+        free_memory(DEV)
     if out_dir is not None:
         (out_dir / "attention.json").write_text(json.dumps(
             {"fingerprint": fingerprint(), "results": results}, indent=1))

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from labkit.device import fingerprint, select_device
+from labkit.device import fingerprint, select_device, synchronize
 from labkit.measure.events import EVENT_COLUMNS, parse_chrome_trace, summarize, thin
 from labkit.measure.timeline import timeline_figure
 
@@ -71,8 +71,7 @@ def trace(fn: Callable, *args, device: str | torch.device = "auto", warmup: int 
         activities.append(ProfilerActivity.CUDA)
     for _ in range(warmup):
         fn(*args, **kwargs)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    synchronize(dev)
     # One profiled-but-discarded step first: the profiler's own start-up (CUPTI set-up on the
     # first launch, milliseconds) would otherwise look like the first kernel's launch cost.
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
@@ -85,8 +84,7 @@ def trace(fn: Callable, *args, device: str | torch.device = "auto", warmup: int 
                 for name in ("labkit.settle", WINDOW) if step else ("labkit.settle",):
                     with record_function(name):
                         fn(*args, **kwargs)
-                        if dev.type == "cuda":
-                            torch.cuda.synchronize(dev)
+                        synchronize(dev)
                 prof.step()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 
+from labkit.device import free_memory
 from labkit.measure import bench
 from labkit.engine.config import ModelConfig
 from labkit.engine.model import LlamaModel
@@ -200,8 +201,7 @@ def measure(model: LlamaModel, shapes: Sequence[ForwardShape],
             t = time_forward(model, shape, mode, repeats=repeats).median_us * 1e-6  # seconds
             rows.append({**cost, "mode": mode, "ms": t * 1e3, "tflops": cost["flops"] / t / 1e12,
                          "gbps": cost["bytes"] / t / 1e9})
-        if model.embed_tokens.device.type == "cuda":
-            torch.cuda.empty_cache()  # a decode's cache can take tens of GB: hand it back
+        free_memory(model.embed_tokens.device)  # a decode's cache can take tens of GB
     return pd.DataFrame(rows)
 
 

@@ -25,6 +25,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from labkit.device import synchronize
+
 
 @dataclass(frozen=True)
 class BlockConfig:
@@ -187,8 +189,7 @@ def inductor_code(fn: Callable, *args, mode: str | None = None,
         compiled = torch.compile(fn, mode=mode)
         t0 = time.perf_counter()
         out, code = run_and_get_code(compiled, *args)
-        if out.is_cuda:
-            torch.cuda.synchronize()
+        synchronize(out.device)
         compile_s = time.perf_counter() - t0
     kernels = [m.group(1) for c in code for m in _KERNEL_DEF.finditer(c)]
     externs = [m.group(1) for c in code for m in _EXTERN_CALL.finditer(c)]
