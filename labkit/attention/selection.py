@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit import check_positive_int, check_power_of_two
 from labkit.attention.backends import BACKENDS, PRIORITY, Backend
 
 log = logging.getLogger("labkit.attention")
@@ -44,19 +45,16 @@ class AttentionSpec:
         if isinstance(self.dtype, str):
             object.__setattr__(self, "dtype", _DTYPES.get(self.dtype, self.dtype))
         for name in ("num_q_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch dtype or one of {list(_DTYPES)}, "
                              f"got {self.dtype!r}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                                or self.sliding_window < 1):
-            raise ValueError(f"sliding_window must be None or a positive int, "
-                             f"got {self.sliding_window!r}")
+        if self.sliding_window is not None:
+            check_positive_int("sliding_window", self.sliding_window,
+                               hint="or None: full attention")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -66,10 +64,8 @@ class AttentionSpec:
             raise ValueError(f"kv_scale={self.kv_scale!r} with kv_cache_dtype="
                              f"{self.kv_cache_dtype!r}: a quantised cache needs a scale "
                              "granularity and an unquantised one has none")
-        if self.block_size is not None and (self.block_size < 1
-                                            or self.block_size & (self.block_size - 1)):
-            raise ValueError(f"block_size must be None (contiguous) or a power of two, "
-                             f"got {self.block_size}")
+        if self.block_size is not None:
+            check_power_of_two("block_size", self.block_size, hint="or None: a contiguous cache")
         if self.cuda_graph not in GRAPH_MODES:
             raise ValueError(f"cuda_graph must be one of {GRAPH_MODES}, got {self.cuda_graph!r}")
         if self.device not in ("cuda", "cpu"):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from labkit import check_positive_int
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "vocab_size", "max_position_embeddings")
@@ -35,9 +37,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -49,10 +49,11 @@ class ModelConfig:
                     f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                     f"({self.num_attention_heads}); set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) \
-                or self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs of "
-                             f"dimensions), got {self.head_dim!r}")
+        pairs = "RoPE rotates pairs of dimensions"
+        check_positive_int("head_dim", self.head_dim, hint=pairs)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int ({pairs}), "
+                             f"got {self.head_dim!r}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not self.rope_theta > 0:

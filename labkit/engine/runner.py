@@ -27,6 +27,7 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from labkit import check_positive_int, check_power_of_two
 from labkit.attention import (BACKENDS, PRIORITY, AttentionSpec, Backend, BackendUnavailable,
                               reasons_against, select_backend, selection_lines)
 from labkit.engine.model import LlamaModel
@@ -120,10 +121,8 @@ class ModelRunner:
             raise ValueError(f"max_model_len={self.max_model_len} is past the model's context "
                              f"of {c.max_position_embeddings} tokens (max_position_embeddings); "
                              "lower it")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
-                or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two (16 is usual; the triton "
-                             f"backend takes 16 to 256), got {block_size!r}")
+        check_power_of_two("block_size", block_size,
+                           hint="16 is usual; the triton backend takes 16 to 256")
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
         self.spec = AttentionSpec.here(
@@ -162,10 +161,7 @@ class ModelRunner:
             raise ValueError(f"give num_blocks ({num_blocks}) or kv_cache_memory "
                              f"({kv_cache_memory:,} bytes), not both")
         if kv_cache_memory is not None:
-            if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) \
-                    or kv_cache_memory < 1:
-                raise ValueError(f"kv_cache_memory must be a positive number of bytes, got "
-                                 f"{kv_cache_memory!r}")
+            check_positive_int("kv_cache_memory", kv_cache_memory, hint="bytes")
             num_blocks = tokens_that_fit(shape, kv_cache_memory, block_size) // block_size
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory={kv_cache_memory:,} bytes holds no block of "

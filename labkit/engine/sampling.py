@@ -13,6 +13,8 @@ from operator import index
 
 import torch
 
+from labkit import check_positive_int
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,10 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int (tokens to generate), got "
-                             f"{self.max_tokens!r}")
+        check_positive_int("max_tokens", self.max_tokens, hint="tokens to generate")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got "

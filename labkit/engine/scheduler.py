@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from operator import index
 from typing import Hashable, Sequence
 
+from labkit import check_positive_int
 from labkit.engine.request import (PENDING, Request, ScheduledSeq, ScheduledStep, Status,
                                    StepStats)
 from labkit.graphs import bucket_for
@@ -54,12 +55,12 @@ class SchedulerConfig:
     async_scheduling: bool = False      # schedule step N+1 before step N's tokens are known
 
     def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "vocab_size"):
-            value = getattr(self, name)
-            if name == "vocab_size" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens,
+                           hint="the token budget of one step")
+        check_positive_int("max_num_seqs", self.max_num_seqs, hint="running requests at once")
+        check_positive_int("max_model_len", self.max_model_len)
+        if self.vocab_size is not None:
+            check_positive_int("vocab_size", self.vocab_size, hint="or None: ids unchecked")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
@@ -96,8 +97,7 @@ class Scheduler:
         ``Status.FINISHED_ERROR`` and a message; nothing else is affected."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already queued or running; use a new id")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        check_positive_int("max_tokens", max_tokens, hint="tokens to generate")
         req = Request(request_id, list(prompt_token_ids), max_tokens, frozenset(eos_token_ids))
         req.error = self._why_unservable(req)
         if req.error:

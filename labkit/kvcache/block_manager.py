@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from operator import index
 from typing import Hashable, Sequence
 
+from labkit import check_positive_int, check_power_of_two
 from labkit.kvcache.prefix_cache import (
     HashFn, PrefixCache, block_hash, extra_key_bytes, root_hash,
 )
@@ -70,11 +71,8 @@ class _Sequence:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
                  hash_fn: HashFn = block_hash):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two (1, 2, 4, ... 16 is usual), "
-                             f"got {block_size!r}")
+        check_positive_int("num_blocks", num_blocks, hint="KV blocks in the cache")
+        check_power_of_two("block_size", block_size, hint="tokens a block holds; 16 is usual")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)

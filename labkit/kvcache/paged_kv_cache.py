@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit import check_positive_int, check_power_of_two
 from labkit.kernels.store_kv import FP8_E4M3_MAX, store_kv, store_kv_ref
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -31,9 +32,7 @@ class KVCacheShape:
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype must be one of {KV_DTYPES}, got {self.dtype}")
 
@@ -81,10 +80,8 @@ class PagedKVCache:
                  block_size: int, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cpu"):
         self.shape = KVCacheShape(num_layers, num_kv_heads, head_dim, dtype)
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+        check_positive_int("num_blocks", num_blocks, hint="KV blocks in the cache")
+        check_power_of_two("block_size", block_size, hint="tokens a block holds; 16 is usual")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                               dtype=dtype, device=device)
