@@ -30,7 +30,8 @@ def matmul_tflops(device="auto", n: int = 8192, dtype: torch.dtype | None = None
     return bench.tflops(2 * n**3, t)
 
 
-def measure(device="auto", quick: bool = False) -> dict:
+def ceilings(device="auto", quick: bool = False) -> dict:
+    """Both ceilings on ``device``: copy GB/s and matmul TFLOP/s (``quick``: small sizes)."""
     dev = select_device(device)
     big = dev.type == "cuda" and not quick
     return {
@@ -42,4 +43,4 @@ def measure(device="auto", quick: bool = False) -> dict:
 
 
 def record() -> dict:
-    return measure("cuda")
+    return ceilings("cuda")
