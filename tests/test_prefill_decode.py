@@ -135,7 +135,7 @@ def test_decode_step_writes_its_token_and_returns_one_row_per_sequence(tiny_mode
 
 
 def test_measure_returns_a_point_per_shape_with_consistent_rates(tiny_model):
-    points = pdc.roofline_points(tiny_model, [pdc.prefill(8), pdc.decode(2, 8)], repeats=3)
+    points = pdc.time_forwards(tiny_model, [pdc.prefill(8), pdc.decode(2, 8)], repeats=3)
     assert list(points["shape"]) == ["prefill S=8", "decode B=2 ctx 8"]
     assert (points.ms > 0).all() and (points["mode"] == "eager").all()
     assert points.tflops.values == pytest.approx((points.flops / (points.ms * 1e-3) / 1e12).values)
@@ -346,7 +346,7 @@ def test_graph_replay_computes_the_eager_logits(gpu_model, shape):
 
 @pytest.mark.gpu
 def test_graph_replay_speeds_up_a_small_decode_step(gpu_model):
-    gain = pdc.graph_gain(pdc.roofline_points(gpu_model, [pdc.decode(1, 128)], pdc.MODES))
+    gain = pdc.graph_gain(pdc.time_forwards(gpu_model, [pdc.decode(1, 128)], pdc.MODES))
     assert gain.speedup.iloc[0] > 1.3, (
         f"a small decode step should be launch-bound eagerly; replay gave "
         f"{gain.speedup.iloc[0]:.2f}x")

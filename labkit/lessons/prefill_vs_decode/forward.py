@@ -1,7 +1,7 @@
 """Prefill against decode: where one forward sits on the roofline, and why CUDA Graphs help
 one and not the other. ``forward_cost`` counts a forward's FLOPs and bytes from its shapes;
 ``forward_step`` is the real forward of a LlamaModel over a contiguous KV cache, on fixed
-tensors so a CUDA Graph can capture it; ``roofline_points`` times it eagerly and replayed
+tensors so a CUDA Graph can capture it; ``time_forwards`` times it eagerly and replayed
 and places each shape on the roofline."""
 from __future__ import annotations
 
@@ -192,8 +192,8 @@ def time_forward(model: LlamaModel, shape: ForwardShape, mode: str = "eager", *,
     return bench.measure(step, device=dev, warmup=warmup, repeats=repeats)
 
 
-def roofline_points(model: LlamaModel, shapes: Sequence[ForwardShape],
-                    modes: Sequence[str] = ("eager",), repeats: int = 10) -> pd.DataFrame:
+def time_forwards(model: LlamaModel, shapes: Sequence[ForwardShape],
+                  modes: Sequence[str] = ("eager",), repeats: int = 10) -> pd.DataFrame:
     """Each shape in each mode: its time, FLOPs, bytes, and the TFLOP/s and GB/s it reached."""
     rows = []
     for shape in shapes:
@@ -304,12 +304,12 @@ def record(device="cuda", config: ModelConfig | None = None,
     dev, config = torch.device(device), config or ModelConfig.bench_1b()
     model = random_model(config, seed=0, device=dev)
     shapes = list(shapes or GPU_SHAPES)
-    points = roofline_points(model, shapes, MODES if dev.type == "cuda" else ("eager",))
+    points = time_forwards(model, shapes, MODES if dev.type == "cuda" else ("eager",))
     prefills, decodes = ([s for s in shapes if s.kind == k] for k in KINDS)
     profiled = prefills[-1:] + decodes[:1]  # as listed: the longest prefill, smallest decode
     model.fused_ops = True
     try:
-        fused = {"points": roofline_points(model, shapes, MODES if dev.type == "cuda" else ("eager",))
+        fused = {"points": time_forwards(model, shapes, MODES if dev.type == "cuda" else ("eager",))
                  .to_dict(orient="list"),
                  "profiles": {s.name: trace(forward_step(model, s), device=dev).summary
                               for s in decodes[:1]}}
