@@ -13,8 +13,10 @@ matmuls that stream the weights are four of them. This file folds the rest into 
   the positions in float32 (no cos/sin tensors);
 * ``silu_mul``: ``silu(gate) * up`` from the fused gate_up output.
 
-Each has a plain torch reference (``*_ref``), the model's own eager arithmetic, and tests
-compare them on fresh random shapes.
+Each has a plain torch reference (``*_ref``) beside it, built on ``rms_norm``, ``rope_cos_sin``
+and ``apply_rope``: that is the model's plain path itself (``labkit.engine.model`` runs the
+references when the fused ops are off), and tests compare each kernel with it on fresh random
+shapes.
 """
 from __future__ import annotations
 
@@ -65,9 +67,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, new_residual
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x: [T, H]. The mean square is taken in float32: in bf16 it loses the small components."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 def add_rms_norm_ref(x, residual, weight, eps):
-    """The model's eager arithmetic (labkit.engine.model.rms_norm after ``x + residual``)."""
-    from labkit.engine.model import rms_norm
+    """``rms_norm(x + residual)`` and the new residual ``x + residual`` (``x`` when None)."""
     r = x if residual is None else x + residual
     return rms_norm(r, weight, eps), r
 
@@ -110,9 +118,23 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return qkv
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """positions: [T] -> cos, sin: [T, head_dim], float32 (angles lose precision in bf16)."""
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)  # dimension i pairs with i + head_dim/2
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] rotated by its token's angles; cos, sin: [T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
 def rope_ref(qkv, positions, inv_freq, num_q_heads, num_kv_heads):
-    """The model's eager RoPE on the q and k parts of a copy of ``qkv``."""
-    from labkit.engine.model import apply_rope, rope_cos_sin
+    """``apply_rope`` on the q and k parts of a copy of ``qkv``."""
     head_dim = 2 * inv_freq.numel()
     cos, sin = rope_cos_sin(positions, inv_freq)
     out = qkv.clone()
@@ -151,5 +173,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_ref(gate_up):
+    """gate_up: [T, 2 I] -> ``silu(gate) * up``: [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

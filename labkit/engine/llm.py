@@ -124,7 +124,9 @@ class LLM:
     CUDA Graphs, i.e. CUDA and not ``enforce_eager``): replayed, a step is GPU time and the
     fused kernels save it (``recorded_data/prefill_vs_decode.json`` has the measured gain);
     launched eagerly, a step is host launch time, which varies more than fusing saves, so the
-    default asks for graphs. On CPU the kernels run in Triton's interpreter.
+    default asks for graphs. On CPU the kernels run in Triton's interpreter. A model built here
+    is built with that choice; a LlamaModel given keeps its own for direct calls, and the
+    engine runs it with this one (``LLM.fused_ops``).
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,
@@ -138,25 +140,27 @@ class LLM:
                  fused_ops: bool | None = None):
         self.device = select_device(device)
         if isinstance(model, LlamaModel):
-            self.model = model
+            self.device = model.embed_tokens.device  # a LlamaModel given stays where it is
+        if fused_ops is None:
+            fused_ops = self.device.type == "cuda" and not enforce_eager
+        fused_ops = bool(fused_ops)
+        if isinstance(model, LlamaModel):
+            self.model = model  # built already: the runner runs it with fused_ops
         elif isinstance(model, ModelConfig):
-            self.model = random_model(model, seed=seed, device=self.device, dtype=dtype)
+            self.model = random_model(model, seed=seed, device=self.device, dtype=dtype,
+                                      fused_ops=fused_ops)
         elif isinstance(model, (str, Path)):
-            self.model = load_model(model, device=self.device, dtype=dtype)
+            self.model = load_model(model, device=self.device, dtype=dtype, fused_ops=fused_ops)
         else:
             raise TypeError(f"model must be a checkpoint folder, a ModelConfig or a LlamaModel, "
                             f"got {type(model).__name__}")
         self.model.eval()
-        self.device = self.model.embed_tokens.device  # a LlamaModel given stays where it is
-        if fused_ops is None:
-            fused_ops = self.device.type == "cuda" and not enforce_eager
-        self.model.fused_ops = bool(fused_ops)  # before the runner captures its graphs
         self.config = self.model.config
         self.tokenizer = tokenizer
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            backend=backend, enforce_eager=enforce_eager)
+            backend=backend, enforce_eager=enforce_eager, fused_ops=fused_ops)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
         self.async_scheduling = (self.device.type == "cuda" if async_scheduling is None
@@ -182,6 +186,11 @@ class LLM:
     @property
     def backend(self) -> str:
         return self.runner.backend.name
+
+    @property
+    def fused_ops(self) -> bool:
+        """Whether the engine runs the layers' small ops fused (see the class docstring)."""
+        return self.runner.fused_ops
 
     @property
     def selection_log(self) -> list[str]:

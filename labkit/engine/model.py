@@ -7,6 +7,10 @@ sequence ends and where its earlier keys live, so the caller passes it in as a f
 rectangle, and a varlen one over ``cu_seqlens`` (labkit's FlashAttention kernel on a GPU, the
 reference elsewhere). The engine passes a third that writes K/V into a paged cache first.
 
+Each layer is written once (``DecoderLayer.forward``); what varies is its small ops (norms,
+RoPE, SiLU): plain torch (``PlainOps``, the references) or three fused Triton kernels
+(``FusedOps``), chosen when the model is built (``fused_ops=``).
+
 Weights are fused the way serving engines keep them: ``qkv_proj`` holds the q, k and v rows,
 ``gate_up_proj`` the gate and up rows, so each is one matmul (``weights.py`` maps the separate
 Hugging Face tensors into them).
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.engine.config import ModelConfig
+from labkit.kernels import layer_ops
+from labkit.kernels.layer_ops import apply_rope, rope_cos_sin
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer, q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, D]) -> [T, Hq, D]; q and k already rotated.
@@ -28,32 +34,54 @@ k and v are only this step's new tokens: an attention over a cache stores them a
 """
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H]. The mean square is taken in float32: in bf16 it loses the small components."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """[head_dim // 2] float32: the rotation speed of each pair of dimensions."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     return 1.0 / theta ** exponents
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """positions: [T] -> cos, sin: [T, head_dim], float32 (angles lose precision in bf16)."""
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)  # dimension i pairs with i + head_dim/2
-    return angles.cos(), angles.sin()
+def split_heads(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
+                ) -> tuple[torch.Tensor, ...]:
+    """qkv: [T, (Hq + 2 Hkv) * D] -> views q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, D]."""
+    tokens, head_dim = qkv.shape[0], qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    return (q.view(tokens, num_q_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
+            v.view(tokens, num_kv_heads, head_dim))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] rotated by its token's angles; cos, sin: [T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * cos + rotated * sin
+class PlainOps:
+    """A layer's small ops in plain torch, one kernel per op (about 40 a layer): the references
+    of ``kernels/layer_ops.py``, so the plain path is what the fused kernels are checked against."""
+    add_rms_norm = staticmethod(layer_ops.add_rms_norm_ref)
+    silu_mul = staticmethod(layer_ops.silu_mul_ref)
+
+    @staticmethod
+    def rotary(positions: torch.Tensor, inv_freq: torch.Tensor):
+        return rope_cos_sin(positions, inv_freq)  # once per forward: every layer rotates alike
+
+    @staticmethod
+    def rope_qkv(qkv, rotary, num_q_heads: int, num_kv_heads: int):
+        q, k, v = split_heads(qkv, num_q_heads, num_kv_heads)
+        cos, sin = rotary
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class FusedOps:
+    """The same ops as three Triton kernels (``kernels/layer_ops.py``): about 10 kernels a layer
+    with the matmuls. The residual add rides in the norm, RoPE rotates qkv in place."""
+    add_rms_norm = staticmethod(layer_ops.add_rms_norm)
+    silu_mul = staticmethod(layer_ops.silu_mul)
+
+    @staticmethod
+    def rotary(positions: torch.Tensor, inv_freq: torch.Tensor):
+        return positions, inv_freq  # the kernel computes each angle itself
+
+    @staticmethod
+    def rope_qkv(qkv, rotary, num_q_heads: int, num_kv_heads: int):
+        positions, inv_freq = rotary
+        return split_heads(layer_ops.rope_(qkv, positions, inv_freq, num_q_heads, num_kv_heads),
+                           num_q_heads, num_kv_heads)
 
 
 class DecoderLayer(nn.Module):
@@ -69,30 +97,34 @@ class DecoderLayer(nn.Module):
                                                      **kw))
         self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw))
 
-    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+    def forward(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, rotary,
+                attention: AttentionFn, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden], the previous block's output, not yet added to ``residual`` (the
+        stream; None in the first layer) -> this layer's (x, residual). Each add is done by the
+        norm that follows it (``ops.add_rms_norm``), so a fused kernel can do both at once."""
         c = self.config
-        qkv = F.linear(rms_norm(x, self.input_norm, c.rms_norm_eps), self.qkv_proj)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, c.num_attention_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, c.num_key_value_heads, c.head_dim), cos, sin)
-        v = v.view(-1, c.num_key_value_heads, c.head_dim)
-        out = attention(layer, q, k, v)
-        x = x + F.linear(out.reshape(-1, c.q_size), self.o_proj)
-        gate, up = F.linear(rms_norm(x, self.post_attention_norm, c.rms_norm_eps),
-                            self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        h, residual = ops.add_rms_norm(x, residual, self.input_norm, c.rms_norm_eps)
+        q, k, v = ops.rope_qkv(F.linear(h, self.qkv_proj), rotary, c.num_attention_heads,
+                               c.num_key_value_heads)
+        out = attention(layer, q, k, v).reshape(q.shape[0], c.q_size)
+        h, residual = ops.add_rms_norm(F.linear(out, self.o_proj), residual,
+                                       self.post_attention_norm, c.rms_norm_eps)
+        return F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
 
 
 class LlamaModel(nn.Module):
     """Parameters are allocated, not initialised: load them (``weights.load_weights``) or fill
-    them from a seed (``weights.init_random``)."""
+    them from a seed (``weights.init_random``).
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None):
+    ``fused_ops``: run each layer's small ops as three fused Triton kernels (``FusedOps``)
+    instead of plain torch (``PlainOps``); ``hidden_states(..., fused_ops=)`` overrides it for a
+    call (the engine's runner passes its own choice)."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None, *, fused_ops: bool = False):
         super().__init__()
         dtype = dtype or config.dtype
         self.config = config
+        self.fused_ops = bool(fused_ops)
         kw = dict(device=device, dtype=dtype)
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw))
         self.layers = nn.ModuleList(DecoderLayer(config, device, dtype)
@@ -102,47 +134,21 @@ class LlamaModel(nn.Module):
             torch.empty(config.vocab_size, config.hidden_size, **kw))
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta,
                                                        device), persistent=False)
-        self.fused_ops = False  # see hidden_states
 
     @property
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      attention: AttentionFn) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-normed hidden states [T, hidden].
-
-        With ``fused_ops`` set, the small ops run as three fused Triton kernels
-        (``labkit.kernels.layer_ops``): about 10 kernels per layer instead of about 40."""
-        if self.fused_ops:
-            return self._hidden_states_fused(input_ids, positions, attention)
-        x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+                      attention: AttentionFn, *, fused_ops: bool | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden]. ``fused_ops``:
+        which ops run the layers (None: the model's own choice)."""
+        ops = FusedOps if (self.fused_ops if fused_ops is None else fused_ops) else PlainOps
+        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        rotary = ops.rotary(positions, self.inv_freq)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, cos, sin, attention)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
-
-    def _hidden_states_fused(self, input_ids, positions, attention) -> torch.Tensor:
-        from labkit.kernels.layer_ops import add_rms_norm, rope_, silu_mul
-
-        c = self.config
-        eps, T = c.rms_norm_eps, input_ids.shape[0]
-        h, residual = add_rms_norm(F.embedding(input_ids, self.embed_tokens), None,
-                                   self.layers[0].input_norm, eps)
-        for i, layer in enumerate(self.layers):
-            qkv = rope_(F.linear(h, layer.qkv_proj), positions, self.inv_freq,
-                        c.num_attention_heads, c.num_key_value_heads)
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            out = attention(i, q.view(T, c.num_attention_heads, c.head_dim),
-                            k.view(T, c.num_key_value_heads, c.head_dim),
-                            v.view(T, c.num_key_value_heads, c.head_dim))
-            h, residual = add_rms_norm(F.linear(out.reshape(T, c.q_size), layer.o_proj),
-                                       residual, layer.post_attention_norm, eps)
-            mlp = F.linear(silu_mul(F.linear(h, layer.gate_up_proj)), layer.down_proj)
-            # this layer's last residual add happens inside the next norm
-            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h, residual = add_rms_norm(mlp, residual, following, eps)
-        return h
+            x, residual = layer(i, x, residual, rotary, attention, ops)
+        return ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab]; an engine passes only each sequence's last token."""

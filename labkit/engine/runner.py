@@ -111,9 +111,11 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  backend: str = "auto", enforce_eager: bool = False,
-                 decode_buckets: tuple[int, ...] | None = None):
+                 decode_buckets: tuple[int, ...] | None = None, fused_ops: bool | None = None):
         c = model.config
         self.model = model
+        # The layer ops of every step and of every captured graph; None: the model's own choice.
+        self.fused_ops = model.fused_ops if fused_ops is None else bool(fused_ops)
         self.device = model.embed_tokens.device
         self.dtype = model.embed_tokens.dtype
         self.max_model_len = max_model_len or c.max_position_embeddings
@@ -259,7 +261,8 @@ class ModelRunner:
             logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)))
             return StepOutput(logits, graph_batch)
         hidden = self.model.hidden_states(dev.input_ids, dev.positions,
-                                          self._attention(dev, md.max_seqlen_q))
+                                          self._attention(dev, md.max_seqlen_q),
+                                          fused_ops=self.fused_ops)
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs
@@ -273,7 +276,8 @@ class ModelRunner:
         md = DeviceMetadata(input_ids.clamp(min=0), positions.clamp(min=0), slot_mapping,
                             self._cu_arange[:batch + 1], seq_lens.clamp(min=0), block_tables,
                             self._cu_arange[:batch])
-        hidden = self.model.hidden_states(md.input_ids, md.positions, self._attention(md, 1))
+        hidden = self.model.hidden_states(md.input_ids, md.positions, self._attention(md, 1),
+                                          fused_ops=self.fused_ops)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -138,9 +138,11 @@ def load_weights(model: LlamaModel, path: str | Path) -> LlamaModel:
     return model
 
 
-def load_model(path: str | Path, device=None, dtype: torch.dtype | None = None) -> LlamaModel:
+def load_model(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
+               fused_ops: bool = False) -> LlamaModel:
     """Config and weights from a Hugging Face style folder (``config.json`` + safetensors)."""
-    model = LlamaModel(ModelConfig.from_json(path), device=device, dtype=dtype)
+    model = LlamaModel(ModelConfig.from_json(path), device=device, dtype=dtype,
+                       fused_ops=fused_ops)
     return load_weights(model, path)
 
 
@@ -162,8 +164,10 @@ def init_random(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
 
 
 def random_model(config: ModelConfig, seed: int = 0, device=None,
-                 dtype: torch.dtype | None = None, std: float = 0.02) -> LlamaModel:
-    return init_random(LlamaModel(config, device=device, dtype=dtype), seed, std)
+                 dtype: torch.dtype | None = None, std: float = 0.02, *,
+                 fused_ops: bool = False) -> LlamaModel:
+    return init_random(LlamaModel(config, device=device, dtype=dtype, fused_ops=fused_ops),
+                       seed, std)
 
 
 def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:

@@ -11,9 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+from labkit.kernels.layer_ops import rms_norm
 
 
 class DecodeLayer(nn.Module):
