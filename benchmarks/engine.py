@@ -1,11 +1,12 @@
 """labkit's engine against Hugging Face transformers on the same weights, in the same run.
 
-    python benchmarks/engine.py --out results/            # the issue's workload on a GPU
+    python benchmarks/engine.py --out results/            # the full benchmark on a GPU
     python benchmarks/engine.py --out /tmp/q --quick      # tiny model, seconds on a CPU
 
-Workload (fixed seed): a random-weight Llama (``ModelConfig.bench_1b``, bf16), 256 requests,
-prompts of 64..2048 random token ids, 32..512 output tokens each; stop tokens are ignored, so
-every request produces exactly its output length. Sections, each run even if another failed:
+``BenchmarkConfig`` (fixed seed): a random-weight Llama (``ModelConfig.bench_1b``, bf16), 256
+requests, prompts of 64..2048 random token ids, 32..512 output tokens each; stop tokens are
+ignored, so every request produces exactly its output length. Sections, each run even if
+another failed:
 
 1. ``labkit``: ``LLM.generate`` over all requests at once, the engine's defaults (CUDA Graphs
    on, each layer's small ops as three fused kernels)
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
+from labkit import check_positive_int
 from labkit.measure.bench import TritonCompiles
 from labkit.device import describe, fingerprint, free_memory, synchronize
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
@@ -47,7 +49,9 @@ SECTIONS = ("labkit", "labkit_unfused", "labkit_eager", "prefix_cached", "prefix
 
 
 @dataclass(frozen=True)
-class Workload:
+class BenchmarkConfig:
+    """The benchmark's requests (drawn from ``seed`` by a torch generator, behind one shared
+    system prompt), its model and dtype, and the limits both engines run under."""
     num_requests: int = 256
     prompt_lens: tuple[int, int] = (64, 2048)      # inclusive range
     output_lens: tuple[int, int] = (32, 512)
@@ -65,12 +69,12 @@ class Workload:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
-        if self.num_requests < 1 or self.hf_batch_size < 1:
-            raise ValueError(f"num_requests ({self.num_requests}) and hf_batch_size "
-                             f"({self.hf_batch_size}) must be positive")
+        check_positive_int("num_requests", self.num_requests)
+        check_positive_int("hf_batch_size", self.hf_batch_size,
+                           hint="requests per transformers generate() call")
 
     @classmethod
-    def small(cls) -> "Workload":
+    def small(cls) -> "BenchmarkConfig":
         # A wide init keeps greedy argmaxes far from ties, so labkit and transformers must agree
         # token for token (the benchmark's own correctness guard).
         return cls(num_requests=8, prompt_lens=(4, 24), output_lens=(2, 8), system_prompt_len=32,
@@ -78,7 +82,7 @@ class Workload:
                    max_num_seqs=8, max_num_batched_tokens=256)
 
     @property
-    def config(self) -> ModelConfig:
+    def model_config(self) -> ModelConfig:
         return ModelConfig.tiny() if self.quick else ModelConfig.bench_1b()
 
     @property
@@ -86,9 +90,9 @@ class Workload:
         return getattr(torch, self.dtype)
 
     def requests(self) -> tuple[list[list[int]], list[int], list[int]]:
-        """(prompts, output lengths, system prompt), the same for every run of this workload."""
+        """(prompts, output lengths, system prompt), the same for every run of this config."""
         g = torch.Generator().manual_seed(self.seed)
-        vocab = self.config.vocab_size
+        vocab = self.model_config.vocab_size
         plens = torch.randint(self.prompt_lens[0], self.prompt_lens[1] + 1, (self.num_requests,),
                               generator=g).tolist()
         olens = torch.randint(self.output_lens[0], self.output_lens[1] + 1, (self.num_requests,),
@@ -100,19 +104,19 @@ class Workload:
 
 # --- labkit -----------------------------------------------------------------------------------
 
-def run_labkit(model, prompts, olens, wl: Workload, *, enforce_eager=False,
+def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=False,
                enable_prefix_caching=True, fused_ops=None) -> tuple[dict, list[list[int]]]:
     llm = LLM(model, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
               fused_ops=fused_ops,
-              max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
-              max_model_len=min(wl.config.max_position_embeddings,
-                                wl.system_prompt_len + wl.prompt_lens[1] + wl.output_lens[1]))
+              max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+              max_model_len=min(cfg.model_config.max_position_embeddings,
+                                cfg.system_prompt_len + cfg.prompt_lens[1] + cfg.output_lens[1]))
     try:
         # Warm-up: the workload's own prompt lengths with other token ids (no prefix hits carried
         # over) and short outputs, so every kernel variant the clock will see (chunk sizes,
         # split or not, one-token stores) is JIT-compiled before it starts.
-        g = torch.Generator().manual_seed(wl.seed + 1)
-        warm = [torch.randint(0, wl.config.vocab_size, (len(p),), generator=g).tolist()
+        g = torch.Generator().manual_seed(cfg.seed + 1)
+        warm = [torch.randint(0, cfg.model_config.vocab_size, (len(p),), generator=g).tolist()
                 for p in prompts]
         llm.generate(warm, [SamplingParams(max_tokens=1 + k % 8) for k in range(len(warm))])
         before = llm.stats
@@ -163,38 +167,38 @@ def _ratio(results, a, b) -> float | None:
     return None
 
 
-def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | None = None
+def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfig | None = None
         ) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if workload is None:
-        workload = Workload.small() if quick or device.type != "cuda" else Workload()
-    wl = workload
+    cfg = config
+    if cfg is None:
+        cfg = BenchmarkConfig.small() if quick or device.type != "cuda" else BenchmarkConfig()
     print(describe())
     if device.type != "cuda" and not quick:
         print("no CUDA device: running the quick workload (tiny model, float32)")
-    if wl.quick:
+    if cfg.quick:
         print("quick mode: tiny model, float32, transformers without torch.compile")
-    prompts, olens, system = wl.requests()
+    prompts, olens, system = cfg.requests()
     requested = sum(olens)
-    results = {"workload": {**asdict(wl), "config": wl.config.to_dict(),
+    results = {"workload": {**asdict(cfg), "config": cfg.model_config.to_dict(),
                             "requested_output_tokens": requested,
                             "prompt_tokens": sum(map(len, prompts))},
                "device": device.type, "fingerprint": fingerprint(), "sections": {}}
-    print(f"{wl.num_requests} requests, {sum(map(len, prompts)):,} prompt tokens, "
-          f"{requested:,} output tokens, {wl.config.num_parameters() / 1e9:.2f}B parameters, "
-          f"{wl.dtype}")
-    model = random_model(wl.config, seed=wl.seed, device=device, dtype=wl.torch_dtype,
-                         std=wl.init_std)
-    ours = _section(results, "labkit", lambda: run_labkit(model, prompts, olens, wl), device)
+    print(f"{cfg.num_requests} requests, {sum(map(len, prompts)):,} prompt tokens, "
+          f"{requested:,} output tokens, "
+          f"{cfg.model_config.num_parameters() / 1e9:.2f}B parameters, {cfg.dtype}")
+    model = random_model(cfg.model_config, seed=cfg.seed, device=device, dtype=cfg.torch_dtype,
+                         std=cfg.init_std)
+    ours = _section(results, "labkit", lambda: run_labkit(model, prompts, olens, cfg), device)
     _section(results, "labkit_unfused",
-             lambda: run_labkit(model, prompts, olens, wl, fused_ops=False), device)
+             lambda: run_labkit(model, prompts, olens, cfg, fused_ops=False), device)
     _section(results, "labkit_eager",
-             lambda: run_labkit(model, prompts, olens, wl, enforce_eager=True, fused_ops=False),
+             lambda: run_labkit(model, prompts, olens, cfg, enforce_eager=True, fused_ops=False),
              device)
     shared = [system + p for p in prompts]
-    _section(results, "prefix_cached", lambda: run_labkit(model, shared, olens, wl), device)
+    _section(results, "prefix_cached", lambda: run_labkit(model, shared, olens, cfg), device)
     _section(results, "prefix_uncached",
-             lambda: run_labkit(model, shared, olens, wl, enable_prefix_caching=False),
+             lambda: run_labkit(model, shared, olens, cfg, enable_prefix_caching=False),
              device)
     with tempfile.TemporaryDirectory(prefix="labkit_bench_") as tmp:
         theirs = None
@@ -204,9 +208,9 @@ def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | N
             free_memory(device)
             theirs = _section(results, "transformers",
                               lambda: run_transformers(
-                                  tmp, prompts, olens, device=device, dtype=wl.torch_dtype,
-                                  batch_size=wl.hf_batch_size,
-                                  compile_forward=device.type == "cuda" and not wl.quick),
+                                  tmp, prompts, olens, device=device, dtype=cfg.torch_dtype,
+                                  batch_size=cfg.hf_batch_size,
+                                  compile_forward=device.type == "cuda" and not cfg.quick),
                               device)
         except Exception as exc:  # noqa: BLE001
             results["sections"]["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -223,13 +227,13 @@ def run(out_dir: Path | None = None, quick: bool = False, workload: Workload | N
         results["greedy_agreement"] = {"requests": len(ours), "identical": same,
                                        "first_token_identical": first,
                                        "median_common_prefix": statistics.median(common)}
-    _report(results, wl)
+    _report(results, cfg)
     if out_dir is not None:
         _write(results, Path(out_dir))
     return results
 
 
-def _report(results, wl: Workload) -> None:
+def _report(results, cfg: BenchmarkConfig) -> None:
     print(f"{'section':<17}{'tokens':>9}{'seconds':>10}{'tok/s':>11}{'TTFT ms':>10}"
           f"{'TPOT ms':>10}")
     for name in SECTIONS:
@@ -246,21 +250,21 @@ def _report(results, wl: Workload) -> None:
     if ratio is not None:
         verdict = "meets" if ratio >= 2 else "misses"
         print(f"labkit / transformers: {ratio:.2f}x ({verdict} the 2x target"
-              f"{'; quick mode: not the target workload' if wl.quick else ''})")
+              f"{'; quick mode: not the target workload' if cfg.quick else ''})")
     if results["graphs_gain"] is not None:
         print(f"CUDA Graphs on / off (both unfused): {results['graphs_gain']:.2f}x")
     if results["fused_gain"] is not None:
         print(f"fused layer ops on / off: {results['fused_gain']:.2f}x")
     if results["prefix_gain"] is not None:
         hit = results["sections"]["prefix_cached"]["prefix_hit_rate"]
-        print(f"shared {wl.system_prompt_len}-token system prompt: prefix hit rate {hit:.1%}, "
+        print(f"shared {cfg.system_prompt_len}-token system prompt: prefix hit rate {hit:.1%}, "
               f"caching on / off {results['prefix_gain']:.2f}x")
     if "greedy_agreement" in results:
         g = results["greedy_agreement"]
         print(f"greedy outputs identical to transformers: {g['identical']}/{g['requests']}; "
               f"first token identical {g['first_token_identical']}/{g['requests']}; median "
               f"common prefix {g['median_common_prefix']} tokens"
-              f"{'' if wl.quick else ' (bf16 rounding may flip near-ties on random weights)'}")
+              f"{'' if cfg.quick else ' (bf16 rounding may flip near-ties on random weights)'}")
 
 
 def _write(results, out_dir: Path) -> None:
@@ -290,8 +294,9 @@ if __name__ == "__main__":
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="requests per transformers generate() call (default 64)")
     args = parser.parse_args()
-    wl = None
+    cfg = None
     if args.hf_batch_size is not None:
-        base = Workload.small() if args.quick or not torch.cuda.is_available() else Workload()
-        wl = Workload(**{**asdict(base), "hf_batch_size": args.hf_batch_size})
-    run(args.out, quick=args.quick, workload=wl)
+        quick = args.quick or not torch.cuda.is_available()
+        base = BenchmarkConfig.small() if quick else BenchmarkConfig()
+        cfg = BenchmarkConfig(**{**asdict(base), "hf_batch_size": args.hf_batch_size})
+    run(args.out, quick=args.quick, config=cfg)

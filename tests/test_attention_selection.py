@@ -170,27 +170,27 @@ def test_every_backend_agrees_with_the_reference_on_gpu_bf16(name):
 # --- side-by-side helpers (notebook 06) ------------------------------------------------------
 
 def test_check_backends_runs_every_compatible_backend_against_the_reference():
-    from labkit.lessons.attention_backends.compare import Workload, check_backends
-    table = check_backends(Workload((1, 3, 0), (20, 9, 4), window=6))
+    from labkit.lessons.attention_backends.compare import AttentionWorkload, check_backends
+    table = check_backends(AttentionWorkload((1, 3, 0), (20, 9, 4), window=6))
     assert list(table["backend"]) == list(PRIORITY)
     assert table["compatible"].all()
     assert (table["max_abs_error"] < 2e-4).all(), table.to_string()
 
 
 def test_check_backends_reports_why_a_backend_was_skipped():
-    from labkit.lessons.attention_backends.compare import Workload, check_backends
-    table = check_backends(Workload((1,), (20,), kv_cache_dtype="fp8_e4m3")).set_index("backend")
+    from labkit.lessons.attention_backends.compare import AttentionWorkload, check_backends
+    table = check_backends(AttentionWorkload((1,), (20,), kv_cache_dtype="fp8_e4m3")).set_index("backend")
     assert not table.loc["sdpa", "compatible"] and "fp8" in table.loc["sdpa", "reasons"]
     # the fp8 path multiplies in float16: float16's rounding bounds it, not float32's
     assert table.loc["triton", "max_abs_error"] < 2e-3
 
 
 def test_workload_counts_only_the_query_key_pairs_the_mask_keeps():
-    from labkit.lessons.attention_backends.compare import Workload
+    from labkit.lessons.attention_backends.compare import AttentionWorkload
     # 2 new tokens at the end of 5 keys see 4 and 5 keys; with window 3 they see 3 each
-    assert Workload((2,), (5,)).visible_keys() == 9
-    assert Workload((2,), (5,), window=3).visible_keys() == 6
-    assert Workload((2,), (5,), num_q_heads=1, head_dim=8).flops() == 4 * 9 * 8
+    assert AttentionWorkload((2,), (5,)).visible_keys() == 9
+    assert AttentionWorkload((2,), (5,), window=3).visible_keys() == 6
+    assert AttentionWorkload((2,), (5,), num_q_heads=1, head_dim=8).flops() == 4 * 9 * 8
 
 
 def test_tiling_removes_the_score_matrix_from_hbm_traffic():

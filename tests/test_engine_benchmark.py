@@ -40,7 +40,7 @@ def test_every_section_ran_without_error(quick):
 
 def test_each_section_counts_exactly_the_requested_output_tokens(quick):
     results, _ = quick
-    _, olens, _ = bench.Workload.small().requests()
+    _, olens, _ = bench.BenchmarkConfig.small().requests()
     assert results["workload"]["requested_output_tokens"] == sum(olens)
     for name, s in results["sections"].items():
         assert s["output_tokens"] == sum(olens), (
@@ -111,7 +111,7 @@ def test_a_failing_peer_is_reported_and_the_other_sections_still_run(monkeypatch
 
 
 def test_the_workload_is_fixed_by_its_seed_and_within_its_ranges():
-    wl = bench.Workload()
+    wl = bench.BenchmarkConfig()
     prompts, olens, system = wl.requests()
     again = wl.requests()
     assert (prompts, olens, system) == again

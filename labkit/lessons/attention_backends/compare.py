@@ -1,9 +1,9 @@
 """Backends side by side: the same workload through each, checked against the reference, timed,
 and placed on a roofline by the bytes it must move and the FLOPs it must do.
 
-A ``Workload`` is a batch of sequences: ``lens_q`` new tokens over ``seq_lens`` keys each, run
-through the paged entry point (``paged=True``, a cache of ``block_size`` blocks) or the packed
-one (contiguous K/V). ``check_backends`` and ``time_backends`` return pandas tables;
+An ``AttentionWorkload`` is a batch of sequences: ``lens_q`` new tokens over ``seq_lens`` keys
+each, run through the paged entry point (``paged=True``, a cache of ``block_size`` blocks) or
+the packed one (contiguous K/V). ``check_backends`` and ``time_backends`` return pandas tables;
 ``tile_io`` and ``attention_io`` are the arithmetic behind FlashAttention's IO argument.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
 @dataclass(frozen=True)
-class Workload:
+class AttentionWorkload:
     lens_q: tuple[int, ...]
     seq_lens: tuple[int, ...]
     num_q_heads: int = 8
@@ -110,12 +110,13 @@ class Workload:
         return tuple(a.to(device) for a in args), kw
 
 
-def _run(name: str, w: Workload, args, kw):
+def _run(name: str, w: AttentionWorkload, args, kw):
     backend = BACKENDS[name]
     return backend.paged(*args, **kw) if w.paged else backend.flash(*args, **kw)
 
 
-def check_backends(w: Workload, device: str = "cpu", seed: int | None = None) -> pd.DataFrame:
+def check_backends(w: AttentionWorkload, device: str = "cpu",
+                   seed: int | None = None) -> pd.DataFrame:
     """Each backend's error against the float64 reference on fresh inputs (rerun: new seed)."""
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     args, kw = w.make(device, seed)
@@ -133,7 +134,7 @@ def check_backends(w: Workload, device: str = "cpu", seed: int | None = None) ->
     return pd.DataFrame(rows)
 
 
-def time_backends(w: Workload, device: str = "cpu", repeats: int = 5,
+def time_backends(w: AttentionWorkload, device: str = "cpu", repeats: int = 5,
                   names: tuple[str, ...] | None = None) -> pd.DataFrame:
     """Median time of each compatible backend, as TFLOP/s, GB/s and FLOPs per byte."""
     args, kw = w.make(device, 0)

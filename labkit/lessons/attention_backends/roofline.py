@@ -3,9 +3,9 @@
 A kernel at ``I`` FLOPs per byte can go no faster than ``min(matmul rate, I x bandwidth)``:
 the roofline. Prefill sits far right (compute-bound), decode far left (bandwidth-bound).
 ``roofline_points`` places the results of ``benchmarks/attention.py`` (live, or recorded on a
-GPU) on it, using the bytes and FLOPs of the benchmark's shapes as ``Workload`` computes them;
-``live_points`` times the registry's backends here. ``targets`` scores the results against
-the kernels' speed targets. Figures are plotly.
+GPU) on it, using the bytes and FLOPs of the benchmark's shapes as ``AttentionWorkload``
+computes them; ``live_points`` times the registry's backends here. ``targets`` scores the
+results against the kernels' speed targets. Figures are plotly.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 import torch
 
 from labkit.attention.backends import PRIORITY
-from labkit.lessons.attention_backends.compare import Workload, attention_io, time_backends
+from labkit.lessons.attention_backends.compare import AttentionWorkload, attention_io, time_backends
 
 # The shapes of benchmarks/attention.py (tests check that its defaults still match).
 PREFILL = dict(batch=4, heads=32, seq=4096, head_dim=128)
@@ -26,20 +26,20 @@ DECODE = dict(batch=64, q_heads=32, kv_heads=8, context=4096, head_dim=128, bloc
 LONG_CONTEXT = 32768
 
 
-def prefill_workload() -> Workload:
+def prefill_workload() -> AttentionWorkload:
     p = PREFILL
     lens = (p["seq"],) * p["batch"]
-    return Workload(lens, lens, p["heads"], p["heads"], p["head_dim"], torch.bfloat16,
-                    paged=False, name="prefill")
+    return AttentionWorkload(lens, lens, p["heads"], p["heads"], p["head_dim"], torch.bfloat16,
+                             paged=False, name="prefill")
 
 
 def decode_workload(batch: int | None = None, context: int | None = None,
-                    kv_cache_dtype: str = "auto") -> Workload:
+                    kv_cache_dtype: str = "auto") -> AttentionWorkload:
     d = DECODE
     batch, context = batch or d["batch"], context or d["context"]
-    return Workload((1,) * batch, (context,) * batch, d["q_heads"], d["kv_heads"], d["head_dim"],
-                    torch.bfloat16, block_size=d["block_size"], kv_cache_dtype=kv_cache_dtype,
-                    name=f"decode B{batch} ctx {context}")
+    return AttentionWorkload((1,) * batch, (context,) * batch, d["q_heads"], d["kv_heads"],
+                             d["head_dim"], torch.bfloat16, block_size=d["block_size"],
+                             kv_cache_dtype=kv_cache_dtype, name=f"decode B{batch} ctx {context}")
 
 
 def source_excerpt(obj, first: str, last: str | None = None) -> str:
@@ -57,7 +57,7 @@ def source_excerpt(obj, first: str, last: str | None = None) -> str:
     return "".join(f"{start + n:4d}  {lines[n]}" for n in range(i, j + 1))
 
 
-def _point(rows, workload: Workload, label: str, result) -> None:
+def _point(rows, workload: AttentionWorkload, label: str, result) -> None:
     if not isinstance(result, dict) or "us" not in result:
         return  # a peer that could not run in the benchmark
     seconds = result["us"] * 1e-6
@@ -87,7 +87,8 @@ def roofline_points(data: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def live_points(workloads: list[Workload], device: str, repeats: int = 5) -> pd.DataFrame:
+def live_points(workloads: list[AttentionWorkload], device: str,
+                repeats: int = 5) -> pd.DataFrame:
     """Every compatible backend of the registry timed on each workload, here and now."""
     frames = []
     for w in workloads:
@@ -223,7 +224,8 @@ def block_sweep_figure(data: dict, subtitle: str = "") -> go.Figure:
 
 
 def targets(data: dict) -> pd.DataFrame:
-    """The attention kernels' speed targets, each computed from ``data``; a missing result never passes."""
+    """The attention kernels' speed targets, each computed from ``data``; a missing result never
+    passes."""
     def get(*path):
         value = data
         for key in path:
