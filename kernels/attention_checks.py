@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from labkit import check_positive_int
+
 HEAD_DIMS = (16, 32, 64, 128, 256)
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -89,8 +91,7 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
 def check_window(causal: bool, window: int | None) -> None:
     if window is None:
         return
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int (keys each query sees), got {window!r}")
+    check_positive_int("window", window, hint="keys each query sees")
     if not causal:
         raise ValueError("window needs causal=True: a sliding window counts the most recent keys")
 

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit import check_positive_int
 from labkit.device import interpreter_on
 from labkit.kernels.attention_checks import (check_cache, check_cu_seqlens, check_tables,
                                              check_window, resolve_max_query_len,
@@ -225,8 +226,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_seq_len,
                                        _num_sms(q.device))
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    check_positive_int("num_splits", num_splits, hint="or None to choose")
     keys_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     split = num_splits > 1
     if split:

@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from labkit import check_positive_int
+
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -161,8 +163,7 @@ def run_ranks(fn: Callable, *args, world_size: int = 2, backend: str = "auto",
     result picklable (tensors come back by value). A rank that raises fails the whole call
     with that rank's traceback.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_positive_int("world_size", world_size, hint="ranks to run")
     if launched_by_torchrun():
         return _run_here(fn, args, world_size,
                          pick_backend(backend, int(os.environ["WORLD_SIZE"])), timeout_s)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labkit import check_positive_int
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -33,9 +35,7 @@ class TPConfig:
 
     def __post_init__(self):
         for name in ("hidden", "ffn", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         ws, rest = self.world_size, self.ffn % self.world_size
         if rest:
             near = [n for n in (self.ffn - rest, self.ffn - rest + ws) if n > 0]

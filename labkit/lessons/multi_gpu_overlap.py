@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from labkit import check_positive_int
 from labkit.distributed.rank_runner import pick_backend, run_ranks
 from labkit.distributed.tensor_parallel import (DTYPES, TensorParallelMLP, TPConfig, full_weights,
                                                 make_input, mlp_reference, token_chunks)
@@ -68,9 +69,10 @@ class TPExperiment:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.tokens, int) or self.tokens < 1 or not self.chunk_counts:
-            raise ValueError(f"need tokens >= 1 and at least one chunk count, got tokens="
-                             f"{self.tokens!r}, chunk_counts={self.chunk_counts!r}")
+        check_positive_int("tokens", self.tokens)
+        if not self.chunk_counts:
+            raise ValueError("chunk_counts needs at least one chunk count (1 is the serial "
+                             "schedule)")
         for k in (*self.chunk_counts, self.trace_chunks):
             token_chunks(self.tokens, k)
         if self.repeats < 1 or self.warmup < 0:

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 
+from labkit import check_positive_int
 from labkit.device import free_memory
 from labkit.measure import bench
 from labkit.engine.config import ModelConfig
@@ -38,9 +39,9 @@ class ForwardShape:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("batch", "tokens", "context"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-            object.__setattr__(self, name, int(value))  # a NumPy int from a table is fine
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                value = int(value)  # a NumPy int from a table is fine
+            object.__setattr__(self, name, check_positive_int(name, value))
         if self.context < self.tokens:
             raise ValueError(f"context ({self.context}) must hold the {self.tokens} new tokens")
 

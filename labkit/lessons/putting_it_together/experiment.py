@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from labkit import check_positive_int
 from labkit.attention import BACKENDS, PRIORITY, BackendUnavailable
 from labkit.device import free_memory, select_device, synchronize
 from labkit.engine import LLM, LlamaModel, ModelConfig, random_model
@@ -175,8 +176,7 @@ def run_experiment(model: ModelConfig | LlamaModel, workload: Workload, *,
     unknown = [b for b in backends if b != "auto" and b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backends {unknown}; known: {['auto', *BACKENDS]}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1 (steady runs after the first), got {repeats}")
+    check_positive_int("repeats", repeats, hint="steady runs after the first")
     warmup = Workload(num_requests=1, prompt_len=(4, 4), output_len=(2, 2))
     LLM(model, backend="reference", enforce_eager=True,
         **engine_options(warmup)).generate(*warmup.requests(model.config.vocab_size))
