@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import labkit  # noqa: F401
-from labkit.attention import (BACKENDS, PRIORITY, AttentionSpec, BackendUnavailable,
+from labkit.attention import (BACKENDS, CPU_SLOW, PRIORITY, AttentionSpec, BackendUnavailable,
                               compatibility_matrix, example_specs, explain,
                               flash_attention_ref, matrix_markdown, paged_attention_ref,
                               select_backend, selection_lines)
@@ -21,6 +21,16 @@ def test_auto_takes_the_first_compatible_backend_in_priority_order():
     assert backend.name == PRIORITY[0] == "triton"
     assert set(passed) == set(PRIORITY) - {"triton"}, "every backend not chosen is accounted for"
     assert all(passed[n] for n in passed), "each passed-over backend comes with a reason"
+
+
+def test_skip_slow_passes_over_what_is_slow_on_cpu_and_says_so():
+    spec = AttentionSpec(**GQA, device="cpu")
+    assert select_backend(spec)[0].name == "triton", "it can serve the spec: the matrix view"
+    backend, passed = select_backend(spec, skip_slow=True)
+    assert backend.name == "sdpa", "the engine's view: the first that is not slow on CPU"
+    assert all(CPU_SLOW[n] in passed[n] for n in CPU_SLOW)
+    backend, passed = select_backend(spec, among=("triton", "reference"), skip_slow=True)
+    assert backend.name == "reference" and set(passed) == {"triton"}
 
 
 def test_auto_logs_its_choice_and_every_reason(caplog):

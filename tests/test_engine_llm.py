@@ -218,6 +218,14 @@ def test_auto_backend_on_cpu_logs_why_it_passed_over_the_others(caplog):
     assert runner.graphs is None, "no CUDA Graphs on CPU"
 
 
+def test_the_runner_logs_its_backend_choice_once(caplog):
+    with caplog.at_level(logging.INFO, logger="labkit.engine"), \
+            caplog.at_level(logging.INFO, logger="labkit.attention"):
+        runner = ModelRunner(random_model(ModelConfig.tiny(), seed=0), num_blocks=4)
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("labkit")]
+    assert logged == runner.selection_log, "the choice and each reason, each line once"
+
+
 def test_runner_applies_copy_on_write_copies_before_computing():
     runner = ModelRunner(random_model(ModelConfig.tiny(), seed=0), num_blocks=4)
     runner.cache.kv[:, :, 1] = 7.0

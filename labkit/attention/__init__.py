@@ -7,14 +7,14 @@ import labkit  # noqa: F401  (interpreter on before triton is imported, where th
 from labkit.attention.backends import BACKENDS, PRIORITY, Backend
 from labkit.attention.matrix import compatibility_matrix, matrix_markdown
 from labkit.attention.reference import flash_attention_ref, paged_attention_ref
-from labkit.attention.selection import (AttentionSpec, BackendUnavailable, example_specs,
-                                        explain, reasons_against, select_backend,
+from labkit.attention.selection import (CPU_SLOW, AttentionSpec, BackendUnavailable,
+                                        example_specs, explain, reasons_against, select_backend,
                                         selection_lines)
 from labkit.kernels.flash_attention import flash_attention
 from labkit.kernels.paged_attention import paged_attention
 
 __all__ = [
-    "BACKENDS", "PRIORITY", "AttentionSpec", "Backend", "BackendUnavailable",
+    "BACKENDS", "CPU_SLOW", "PRIORITY", "AttentionSpec", "Backend", "BackendUnavailable",
     "compatibility_matrix", "example_specs", "explain",
     "flash_attention", "flash_attention_ref", "matrix_markdown", "paged_attention",
     "paged_attention_ref", "reasons_against", "select_backend", "selection_lines",

@@ -3,11 +3,14 @@
 ``select_backend(spec)`` walks ``backends.PRIORITY`` and takes the first backend with no reason
 against the spec, logging why each earlier one was passed over. ``prefer="name"`` forces one:
 if it cannot serve the spec, the error lists every reason instead of silently falling back.
+This is the one place a backend is chosen: the engine's runner and the model's varlen path ask
+it too (``skip_slow=True``: on CPU they pass over what would compute right but slowly).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -22,6 +25,13 @@ GRAPH_MODES = ("none", "uniform_decode", "full")  # what the caller wants to cap
 _GRAPH_NEEDS = {"none": ("always", "uniform_decode", "never"),
                 "uniform_decode": ("always", "uniform_decode"), "full": ("always",)}
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Why auto selection with skip_slow passes over a backend on CPU although it computes right.
+CPU_SLOW = {
+    "triton": "hardware: on CPU its kernels run in Triton's interpreter (about 0.1 s a call); "
+              "force backend='triton' to run them anyway",
+    "flex": "hardware: on CPU flex_attention runs uncompiled and builds its mask every call "
+            "(slow); force backend='flex' to run it anyway",
+}
 
 
 @dataclass(frozen=True)
@@ -80,12 +90,16 @@ class AttentionSpec:
         return "MQA" if self.num_kv_heads == 1 else "GQA"
 
     @classmethod
-    def here(cls, **fields) -> "AttentionSpec":
-        """A spec for this machine: its device and, on a GPU, its compute capability."""
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
+    def here(cls, device: str | torch.device | None = None, **fields) -> "AttentionSpec":
+        """A spec for ``device`` (default: this machine's GPU, else its CPU) and, on a GPU, its
+        compute capability."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
             return cls(device="cuda", compute_capability=(props.major, props.minor), **fields)
-        return cls(device="cpu", **fields)
+        return cls(device=device.type, **fields)
 
 
 def reasons_against(backend: Backend, spec: AttentionSpec) -> list[str]:
@@ -139,13 +153,24 @@ class BackendUnavailable(ValueError):
         self.reasons = reasons
 
 
-def select_backend(spec: AttentionSpec, prefer: str | None = None
-                   ) -> tuple[Backend, dict[str, list[str]]]:
-    """Returns (backend, reasons): for every backend not chosen, why it was passed over."""
-    reasons = {name: reasons_against(BACKENDS[name], spec) for name in PRIORITY}
+def select_backend(spec: AttentionSpec, prefer: str | None = None, *,
+                   among: Sequence[str] = PRIORITY, skip_slow: bool = False,
+                   logger: logging.Logger | None = log) -> tuple[Backend, dict[str, list[str]]]:
+    """Returns (backend, passed): for every other backend of ``among``, why it was passed over.
+
+    Auto (``prefer=None``) takes the first of ``among`` (in priority order) with no reason
+    against ``spec``; with ``skip_slow``, a CPU spec also passes over the backends of
+    ``CPU_SLOW``. The choice and every reason are logged once, to ``logger`` (None: not logged).
+    """
+    among = tuple(among)
+    reasons = {name: reasons_against(BACKENDS[name], spec) for name in among}
+    if prefer is None and skip_slow and spec.device == "cpu":
+        reasons = {name: why + ([CPU_SLOW[name]] if name in CPU_SLOW else [])
+                   for name, why in reasons.items()}
     if prefer is not None:
         if prefer not in BACKENDS:
             raise ValueError(f"unknown backend {prefer!r}; known: {list(BACKENDS)}")
+        reasons.setdefault(prefer, reasons_against(BACKENDS[prefer], spec))
         if reasons[prefer]:
             raise BackendUnavailable(
                 f"backend {prefer!r} was forced but cannot serve {spec}:\n  - "
@@ -153,20 +178,21 @@ def select_backend(spec: AttentionSpec, prefer: str | None = None
                 + "\nDrop prefer= to let auto selection choose, or change the spec.", reasons)
         chosen = prefer
     else:
-        chosen = next((n for n in PRIORITY if not reasons[n]), None)
+        chosen = next((n for n in among if not reasons[n]), None)
         if chosen is None:
             lines = [f"  {n}: {'; '.join(r)}" for n, r in reasons.items()]
             raise BackendUnavailable(f"no attention backend can serve {spec}:\n"
                                      + "\n".join(lines), reasons)
     passed = {}
-    for name in PRIORITY:
+    for name in among:
         if name == chosen:
             continue
         passed[name] = reasons[name] or [
             f"compatible, but {chosen!r} was forced" if prefer else
-            f"compatible, but after {chosen!r} in the priority order {list(PRIORITY)}"]
-    for line in selection_lines(chosen, passed, forced=prefer is not None, spec=spec):
-        log.info(line)
+            f"compatible, but after {chosen!r} in the priority order {list(among)}"]
+    if logger is not None:
+        for line in selection_lines(chosen, passed, forced=prefer is not None, spec=spec):
+            logger.info(line)
     return BACKENDS[chosen], passed
 
 

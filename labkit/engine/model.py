@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.attention import (AttentionSpec, flash_attention, flash_attention_ref,
+                              select_backend)
 from labkit.engine.config import ModelConfig
 from labkit.kernels import layer_ops
 from labkit.kernels.layer_ops import apply_rope, rope_cos_sin
@@ -224,35 +226,36 @@ def contiguous_causal_attention(batch: int, length: int) -> AttentionFn:
     return attend
 
 
+VARLEN_BACKENDS = ("triton", "reference")  # labkit's FlashAttention kernel, or the definition
+
+
+def varlen_choice(config: ModelConfig, device, dtype) -> tuple[str, dict[str, list[str]]]:
+    """The backend ``backend="auto"`` runs varlen attention with on ``device``, and why the
+    other was passed over (``select_backend`` decides; on CPU it passes over the interpreter)."""
+    spec = AttentionSpec.here(device, num_q_heads=config.num_attention_heads,
+                              num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                              dtype=dtype, block_size=None)
+    chosen, passed = select_backend(spec, among=VARLEN_BACKENDS, skip_slow=True, logger=None)
+    return chosen.name, passed
+
+
 def flash_unsupported(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Why labkit's Triton FlashAttention cannot run this model here; empty when it can."""
-    from labkit.attention import BACKENDS, AttentionSpec, reasons_against
-    device = torch.device(device)
-    spec = AttentionSpec.here(num_q_heads=config.num_attention_heads,
-                              num_kv_heads=config.num_key_value_heads,
-                              head_dim=config.head_dim, dtype=dtype, block_size=None)
-    why = reasons_against(BACKENDS["triton"], spec)
-    if device.type != "cuda":
-        why.append(f"hardware: tensors are on {device.type}; on CPU the kernel runs only in "
-                   "Triton's interpreter (slow), so auto uses the reference")
-    return why
+    """Why auto does not run labkit's Triton FlashAttention for this model here; empty when it
+    does."""
+    return varlen_choice(config, device, dtype)[1].get("triton", [])
 
 
 def varlen_attention(config: ModelConfig, cu_seqlens: torch.Tensor, device, dtype,
                      backend: str = "auto", max_seqlen: int | None = None) -> AttentionFn:
-    if backend not in ("auto", "triton", "reference"):
+    if backend not in ("auto", *VARLEN_BACKENDS):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     if backend == "auto":
-        backend = "reference" if flash_unsupported(config, device, dtype) else "triton"
+        backend, _ = varlen_choice(config, device, dtype)
     if backend == "triton":
-        from labkit.attention import flash_attention
-
         def attend(layer, q, k, v):
             return flash_attention(q, k, v, cu_seqlens, cu_seqlens, causal=True,
                                    max_seqlen_q=max_seqlen)
     else:
-        from labkit.attention import flash_attention_ref
-
         def attend(layer, q, k, v):
             return flash_attention_ref(q, k, v, cu_seqlens, cu_seqlens, causal=True,
                                        compute_dtype=torch.float32).to(q.dtype)

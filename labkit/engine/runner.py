@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from labkit import check_positive_int, check_power_of_two
-from labkit.attention import (BACKENDS, PRIORITY, AttentionSpec, Backend, BackendUnavailable,
-                              reasons_against, select_backend, selection_lines)
+from labkit.attention import (BACKENDS, AttentionSpec, Backend, BackendUnavailable,
+                              select_backend, selection_lines)
+from labkit.attention import CPU_SLOW  # noqa: F401  (what auto passes over on CPU, named here too)
 from labkit.engine.model import LlamaModel
 from labkit.engine.request import ScheduledStep
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
@@ -39,47 +40,32 @@ from labkit.kvcache import BlockManager, KVCacheShape, PagedKVCache, tokens_that
 log = logging.getLogger("labkit.engine")
 
 PAD = -1  # graph padding rows: slot -1 is skipped by store_kv; ids and lengths are clamped to 0
-# Why auto selection passes over a backend on CPU even though it would compute the right thing.
-CPU_SLOW = {
-    "triton": "hardware: on CPU its kernels run in Triton's interpreter (about 0.1 s a call); "
-              "force backend='triton' to run them anyway",
-    "flex": "hardware: on CPU flex_attention runs uncompiled and builds its mask every call "
-            "(slow); force backend='flex' to run it anyway",
-}
 
 
 def choose_backend(spec: AttentionSpec, backend: str = "auto") -> tuple[Backend, list[str]]:
-    """The attention backend for ``spec`` and the log of the choice (chosen, then passed over).
+    """The attention backend for ``spec`` and the log of the choice (chosen, then passed over),
+    logged once to ``labkit.engine``.
 
-    ``backend="auto"`` takes the first backend of ``PRIORITY`` with no reason against it; on CPU
-    the interpreted and uncompiled ones are passed over too (``CPU_SLOW``). A named backend is
-    forced, and refused with every reason when it cannot serve the spec.
+    ``select_backend`` decides: ``backend="auto"`` takes the first backend of ``PRIORITY`` that
+    can serve the spec, on CPU passing over the interpreted and uncompiled ones too
+    (``CPU_SLOW``). A named backend is forced, and refused with every reason when it cannot
+    serve the spec; the refusal names this engine's switches.
     """
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; known: "
                          f"{['auto', *BACKENDS]}")
-    if backend != "auto":
-        try:
-            chosen, passed = select_backend(spec, prefer=backend)
-        except BackendUnavailable as e:
-            hint = "" if spec.cuda_graph == "none" else (
-                "\nOr pass enforce_eager=True: without CUDA Graphs this backend may qualify.")
-            message = str(e).replace("Drop prefer= to let auto selection choose",
-                                     "Pass backend='auto' to let selection choose")
-            raise BackendUnavailable(message + hint, e.reasons) from None
-        return chosen, selection_lines(chosen.name, passed, forced=True, spec=spec)
-    if spec.device != "cpu":
-        chosen, passed = select_backend(spec)
-        return chosen, selection_lines(chosen.name, passed, forced=False, spec=spec)
-    reasons = {n: reasons_against(BACKENDS[n], spec) + ([CPU_SLOW[n]] if n in CPU_SLOW else [])
-               for n in PRIORITY}
-    name = next((n for n in PRIORITY if not reasons[n]), None)
-    if name is None:
-        raise BackendUnavailable(f"no attention backend can serve {spec}:\n" + "\n".join(
-            f"  {n}: {'; '.join(r)}" for n, r in reasons.items()), reasons)
-    passed = {n: reasons[n] or [f"compatible, but after {name!r} in the priority order"]
-              for n in PRIORITY if n != name}
-    return BACKENDS[name], selection_lines(name, passed, forced=False, spec=spec)
+    prefer = None if backend == "auto" else backend
+    try:
+        chosen, passed = select_backend(spec, prefer, skip_slow=True, logger=log)
+    except BackendUnavailable as e:
+        if prefer is None:
+            raise
+        hint = "" if spec.cuda_graph == "none" else (
+            "\nOr pass enforce_eager=True: without CUDA Graphs this backend may qualify.")
+        message = str(e).replace("Drop prefer= to let auto selection choose",
+                                 "Pass backend='auto' to let selection choose")
+        raise BackendUnavailable(message + hint, e.reasons) from None
+    return chosen, selection_lines(chosen.name, passed, forced=prefer is not None, spec=spec)
 
 
 @dataclass(frozen=True)
@@ -128,14 +114,10 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
         self.spec = AttentionSpec.here(
-            num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            self.device, num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim, dtype=self.dtype, block_size=block_size, mixed_batch=True,
             cuda_graph="uniform_decode" if self.use_graphs else "none")
-        if self.spec.device != self.device.type:
-            self.spec = replace(self.spec, device=self.device.type, compute_capability=None)
         self.backend, self.selection_log = choose_backend(self.spec, backend)
-        for line in self.selection_log:  # once per runner: the choice and why not the others
-            log.info(line)
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
         # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
         # only where the Triton backend is asked for (the whole Triton path, end to end).
