@@ -31,8 +31,8 @@ BANDWIDTH_TARGET, PREFETCH_TARGET, TARGET_FROM_BYTES = 0.90, 1.10, 16 << 20
 
 def per_call_us(fn, dev, calls: int, repeats: int) -> float:
     """Host clock around ``calls`` calls and a synchronize: whichever stream a copy ran on, it
-    is inside the interval (events on a consumer stream that only waits for the copy stream
-    were seen to time nothing of the copies)."""
+    is inside the interval (events recorded on a consumer stream that only waits for the copy
+    stream can time none of the copies)."""
     def sample():
         for _ in range(calls):
             fn()

@@ -17,11 +17,11 @@ window's edge pay for it.
 Two ways to bring a tile in (``TMA``). With pointers, every thread computes the addresses of
 its share of the tile and the compiler turns the loads into asynchronous copies. On Hopper and
 later, a tensor descriptor names the tensor's shape and strides once, and one instruction asks
-the copy engine (TMA) for a whole [BLOCK_N, D] tile by its coordinates: no address arithmetic in
-the loop, rows past the tensor's end come back as zeros, and the tile lands in shared memory
-laid out for the tensor cores. On an H200 (causal B4 H32 S4096 D128 bf16, the recording in
-labkit/recorded_data/attention_backends.json): 413 TFLOP/s with pointers, 462 with descriptors; at
-head_dim 256 one run (not recorded) gave 341 and 501.
+the Tensor Memory Accelerator (TMA), the SM's unit for bulk tensor copies, for a whole
+[BLOCK_N, D] tile by its coordinates: no address arithmetic in the loop, rows past the tensor's
+end come back as zeros, and the tile lands in shared memory laid out for the tensor cores. The
+H200 recording (causal B4 H32 S4096 D128 bf16) times both: ``prefill``, "ours, pointer loads"
+against "triton (ours)", in labkit/recorded_data/attention_backends.json.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, str
     for n in range(start, end, BLOCK_N):
         keys = n + offs_n
         in_seq = keys < len_k
-        if TMA:  # one copy-engine request per tile: rows [k_row0 + n, + BLOCK_N) of this head
+        if TMA:  # one TMA request per tile: rows [k_row0 + n, + BLOCK_N) of this head
             k = tl.trans(Kd.load([(k_row0 + n).to(tl.int32), kv_col]))  # [D, BLOCK_N]
             v = Vd.load([(k_row0 + n).to(tl.int32), kv_col])  # [BLOCK_N, D]
             if MASKED:  # rows past this sequence belong to the next one: zero them, as below
@@ -192,7 +192,7 @@ def _flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
 # Host side: the input checks (attention_checks.py), the tensor descriptors, then the launch.
 
 def _descriptor(t: torch.Tensor):
-    """``t`` [tokens, heads, D] seen as [tokens, heads * D] by the copy engine, or None where a
+    """``t`` [tokens, heads, D] seen as [tokens, heads * D] by the TMA, or None where a
     descriptor cannot address it: heads not packed side by side, or the 16-byte alignment TMA
     needs of the base and the row stride broken (a slice of a larger tensor can do either)."""
     tokens, heads, head_dim = t.shape
@@ -203,7 +203,7 @@ def _descriptor(t: torch.Tensor):
 
 
 def _tma_available(device: torch.device) -> bool:
-    """The copy engine's descriptors: Hopper (compute capability 9.0) and later, and the
+    """TMA descriptors: Hopper (compute capability 9.0) and later, and the
     interpreter (which emulates them, so the CPU tests read this path too)."""
     if TensorDescriptor is None:
         return False

@@ -28,8 +28,9 @@ the fp8 decode loop is ~2,560 warp instructions, about what the bf16 loop spends
 64 keys (twice the bytes): every element is widened to float16 for the tensor cores, and V,
 whose values sit key-major in the cache while P @ V sums over keys, is transposed on chip by
 byte-wide shared-memory loads (16-bit tiles get one transposing ldmatrix instead). So fp8
-decode is bound by the SMs' issue rate and latency, not by HBM: on an H200 it reads at ~80% of
-the copy bandwidth (B64, ctx 4k), where bf16 reads at ~100%.
+decode is bound by the SMs' issue rate and latency, not by HBM: on an H200 it reads at a
+smaller share of the copy bandwidth than bf16 does (B64, ctx 4k: ``fp8`` against ``copy_gbps``
+in labkit/recorded_data/attention_backends.json).
 """
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
               tuning: dict | None = None) -> tuple[dict, dict]:
     """What ``paged_attention`` compiles for a batch: the kernel's tile constants (GROUP,
     GROUP_P, BLOCK_Q, BLOCK_N, CAUSAL, SCALED, PREFETCH) and its launch options (num_warps,
-    num_stages, maxnreg). ``labkit.lessons.attention_backends.sass`` compiles the same plan ahead of time to
-    read the machine code a GPU runs."""
+    num_stages, maxnreg). ``labkit.lessons.attention_backends.sass`` compiles the same plan ahead
+    of time to read the machine code a GPU runs."""
     group_p = triton.next_power_of_2(group)
     row_cap = 32 if interpreter_on() else 64
     block_q = min(triton.next_power_of_2(max_query_len), max(1, row_cap // group_p))
@@ -169,7 +170,7 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
     tuning = dict(tuning or {})
     block_n = tuning.pop("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
     # fp8 tiles: two warps keep more programs resident per SM, which is what a stream of
-    # half-size tiles needs (H200, B64 ctx 4k: 182 us with 2 warps, 274 us with 4).
+    # half-size tiles needs (on an H200, B64 ctx 4k, two warps are faster than four).
     launch = {"num_warps": tuning.pop("num_warps", 2 if fp8 else 4),
               "num_stages": tuning.pop("num_stages", 3)}
     maxnreg = tuning.pop("maxnreg", None)  # a cap on registers per thread (ptx .maxnreg)
@@ -180,9 +181,8 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
         raise ValueError(f"unknown tuning keys {sorted(tuning)}; known: block_n, num_warps, "
                          "num_stages, prefetch, maxnreg")
     # One new token per sequence (decode) sees every cached key, so its causal mask keeps them
-    # all. fp8 decode is built without it: measured on an H200, Triton then pipelines the fp8
-    # K/V loads (B64 ctx 4k: 69% -> 72% of the copy bandwidth). bf16 keeps it: the same change
-    # slowed its split path (B1 at 32k tokens: 71% -> 57%).
+    # all. fp8 decode is built without it: Triton then pipelines the fp8 K/V loads, a gain on
+    # an H200 (B64 ctx 4k). bf16 keeps it: without it, its split path is slower (B1, 32k keys).
     causal_mask = bool(causal) and not (fp8 and max_query_len == 1)
     return ({"GROUP": group, "GROUP_P": group_p, "BLOCK_Q": block_q, "BLOCK_N": block_n,
              "CAUSAL": causal_mask, "SCALED": fp8, "PREFETCH": prefetch}, launch)

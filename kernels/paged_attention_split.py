@@ -21,14 +21,13 @@ MAX_SPLITS = 64
 
 
 WAVES = 4  # programs per SM wanted. A program streams its keys alone; with too few of them the
-# memory system idles while each ramps up. H200, decode GQA 32/8 D128, % of copy bandwidth:
-# B32 ctx 4k 74% unsplit, 92% in 2 splits; B16 ctx 16k 47% / 96% in 4; B1 ctx 32k 72% in 64.
+# memory system idles while each ramps up: ``long_context`` in
+# labkit/recorded_data/attention_backends.json has small batches split and unsplit on an H200.
 
 
 def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
     """Splits per (sequence, kv head, query tile) so that about ``WAVES`` programs per SM run.
-    Rounded to nearest, not up: one split too many costs more than a slightly short wave
-    (B16 ctx 4k on the H200: 4 splits 83% of copy, 5 splits 68%)."""
+    Rounded to nearest, not up: one split too many costs more than a slightly short wave."""
     wanted = int(WAVES * num_sms / max(programs, 1) + 0.5)
     if wanted <= 1:
         return 1

@@ -95,7 +95,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, backend: str, fn: Calla
     sys.stdout.flush()
     sys.stderr.flush()
     # The result is delivered; skip interpreter teardown, where process-group and profiler
-    # threads have been seen to abort at random (and which costs seconds per rank).
+    # threads can abort at random (and which costs seconds per rank).
     os._exit(0 if message[1] else 1)
 
 

@@ -48,10 +48,11 @@ def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 
     mean TPOT (ms), and the Triton compiles that still happened inside the timed run (0 under
     the interpreter; ``compiled`` names the kernels). Every case runs once untimed first, whole
     (other token ids, as many tokens out): a GPU compiles Triton kernel variants for new shapes
-    on first use, and a TTFT must not include a compile (on an H200 one did: 811 ms for a
-    single 512-token prompt). A shorter rehearsal is not enough: with two tokens out, requests
-    never decoded together in the step shapes of the timed run, and an H200 recording still
-    compiled once inside each case of 16+ requests or 1,024+ prompt tokens (~400 ms each)."""
+    on first use, and a TTFT must not include a compile (hundreds of ms on a GPU, far more than
+    the prefill it delays). A shorter rehearsal is not enough: with two tokens out, requests
+    never decode together in the step shapes of the timed run, and the larger cases (16+
+    requests, 1,024+ prompt tokens) would compile inside it. ``triton_compiles`` counts any
+    compile that still happens there."""
     bad = [(n, c) for n, c in enumerate(cases) if min(c) < 1]
     if bad:
         raise ValueError(f"case {bad[0][0]}: batch and prompt_len must be >= 1, got {bad[0][1]}")

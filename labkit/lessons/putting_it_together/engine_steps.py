@@ -228,10 +228,10 @@ def bucket_figure(costs: pd.DataFrame, title: str):
 
 def record_steps(model, *, timeline: Workload | None = None, server: Workload | None = None,
                  batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), context_len: int = 512) -> dict:
-    """For `make record` (through :func:`labkit.lessons.putting_it_together.experiment.record`): a traced run of
-    ``timeline`` through an engine with the defaults (auto backend, graphs and async scheduling
-    where there is CUDA), decode step times per batch, and ``server``'s decode batches priced
-    under each bucket set."""
+    """For `make record` (through :func:`labkit.lessons.putting_it_together.experiment.record`):
+    a traced run of ``timeline`` through an engine with the defaults (auto backend, graphs and
+    async scheduling where there is CUDA), decode step times per batch, and ``server``'s decode
+    batches priced under each bucket set."""
     timeline = timeline or Workload(num_requests=4, prompt_len=(32, 64), output_len=(4, 4),
                                     seed=1)
     server = server or Workload(num_requests=max(batches), prompt_len=(16, 256),

@@ -8,8 +8,9 @@ engine, graph capture included; the first run's extra time over a repeat: kernel
 and in steady state (decode step time, TPOT, throughput, graph memory, padded rows). A row that
 cannot run here stays in the table with the reason: a refusal is a result too.
 
-The timeline of a few steps and the padding study are in :mod:`labkit.lessons.putting_it_together.engine_steps`;
-:func:`record` measures all three on a GPU.
+The timeline of a few steps and the padding study are in
+:mod:`labkit.lessons.putting_it_together.engine_steps`; :func:`record` measures all three on a
+GPU. The requests are a :class:`~labkit.lessons.putting_it_together.workload.Workload`.
 """
 from __future__ import annotations
 
@@ -36,11 +37,11 @@ COLUMNS = ["backend", "mode", "status", "chosen", "reason", "build_s", "capture_
            "graph_MiB", "engine_MiB", "kv_cache_MiB", "warm_start", "same_first_token"]
 
 
-# Seen on the H200 (torch 2.11): the first recording ran flex for over 140 s and was stopped.
+# Why the GPU recording skips flex: timed, its row would measure recompiles and the fallback.
 FLEX_IN_THE_ENGINE = (
     "not timed: flex_attention is compiled for fixed shapes, every engine step brings a new KV "
-    "length, so Dynamo recompiled until its limit of 8 and then ran the unfused fallback (over "
-    "140 s in the first H200 recording run); it suits fixed-shape work, not this engine")
+    "length, so Dynamo recompiles until its limit of 8 and then runs the unfused fallback, "
+    "minutes for this workload on a GPU; it suits fixed-shape work, not this engine")
 
 
 def slow_here(device: torch.device) -> dict[str, str]:
@@ -234,8 +235,9 @@ def experiment_figure(table: pd.DataFrame, title: str):
 
 def record(model: ModelConfig | None = None, workload: Workload | None = None, *,
            skip: dict[str, str] | None = None, repeats: int = 3, device="auto", **steps) -> dict:
-    """`make record`: the experiment on the issue's ~1B model in bf16 (the tiny model on CPU),
-    then :func:`labkit.lessons.putting_it_together.engine_steps.record_steps` (``**steps``: its sizes) on the same weights."""
+    """`make record`: the experiment on ``ModelConfig.bench_1b`` (~1B parameters) in bf16 (the
+    tiny model on CPU), then :func:`labkit.lessons.putting_it_together.engine_steps.record_steps`
+    (``**steps``: its sizes) on the same weights."""
     from labkit.lessons.putting_it_together.engine_steps import record_steps
 
     dev = select_device(device)

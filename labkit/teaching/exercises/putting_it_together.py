@@ -40,8 +40,8 @@ def output_tok_s(model, workload: Workload, max_num_seqs: int, runs: int = 3) ->
     """Output tokens per second of ``workload`` through an engine that runs at most
     ``max_num_seqs`` requests at once: the fastest of ``runs`` (the first pays first-call costs).
 
-    On a CPU with one intra-op thread: with two, every batched op waits for both cores, and a
-    browser drawing figures on one of them slowed batched steps 20x in the lab's own tests."""
+    On a CPU with one intra-op thread: with two, every batched op waits for both cores, so a
+    browser drawing figures on one of them stalls every batched step."""
     llm = LLM(model, **{**engine_options(workload), "max_num_seqs": max_num_seqs})
     prompts, params = workload.requests(model.config.vocab_size)
     threads = torch.get_num_threads()
