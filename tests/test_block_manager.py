@@ -37,6 +37,8 @@ def test_slots_are_block_number_times_block_size_plus_offset():
     table = bm.block_table("a")
     assert bm.slots("a", 0, 6) == [table[p // BS] * BS + p % BS for p in range(6)]
     assert bm.slots("a", 3, 3) == [], "an empty range has no slots"
+    with pytest.raises(ValueError, match="outside sequence"):
+        bm.slots("a", 0, 7)
 
 
 # ---------------------------------------------------------------- bad arguments

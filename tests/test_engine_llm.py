@@ -265,6 +265,32 @@ def test_runner_logits_equal_the_full_forward_at_every_sampled_row():
     assert mixed and bm.stats.hit_tokens == 16, (mixed, bm.stats)
 
 
+def test_to_device_gives_every_metadata_array_as_int32_in_one_buffer():
+    """The one way from step metadata to tensors: each field as it was built, block tables as
+    [rows, width] (padded with pad_block), and PENDING inputs taken from the previous samples."""
+    runner = ModelRunner(random_model(ModelConfig.tiny(), seed=0), num_blocks=16, block_size=4)
+    bm = BlockManager(16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4,
+                                      max_model_len=64, async_scheduling=True), bm)
+    for i, p in enumerate(make_prompts([6, 3], seed=5)):
+        sched.add_request(i, p, max_tokens=4)
+    for _ in range(2):  # the second step reads the first one's samples, still on the device
+        step = sched.schedule()
+        md = build_step_metadata(step, bm, max_blocks_per_seq=8, pad_block=0)
+        prev = torch.tensor([11, 22]) if md.pending_dst else None
+        dev = runner.to_device(md, prev)
+        for name in ("positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "logits_indices"):
+            got = getattr(dev, name)
+            assert got.dtype == torch.int32 and got.tolist() == getattr(md, name), name
+        assert dev.block_tables.tolist() == md.block_tables
+        assert dev.block_tables.shape == (len(step.rows), 8)
+        ids = list(md.input_ids)
+        for dst, src in zip(md.pending_dst, md.pending_src):
+            ids[dst] = int(prev[src])
+        assert dev.input_ids.tolist() == ids
+    assert md.pending_dst, "the second step must read a token still on the device"
+
+
 def test_decode_graph_function_ignores_its_padding_rows():
     """What a CUDA Graph captures, run eagerly: a decode batch padded with PAD rows (as the
     graph pool pads up to a bucket) writes only the real rows' slots and gives their logits."""

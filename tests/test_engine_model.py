@@ -296,26 +296,33 @@ def test_swapped_attention_runs_the_model_over_a_paged_kv_cache():
     """The contract the engine relies on: prefill, then decode one token per step, with K/V kept
     in a paged cache by the attention function, gives the full forward's logits."""
     from labkit.attention import paged_attention_ref
-    from labkit.kvcache import PagedKVCache, block_tables_tensor, slot_mapping
+    from labkit.kvcache import BlockManager, PagedKVCache
 
     model = random_model(ModelConfig.tiny(), seed=8, std=0.2)
     c = model.config
     cache = PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_blocks=8,
                          block_size=4, dtype=torch.float32)
-    tables = [[3, 0, 5], [1, 6, 2]]  # scattered on purpose
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
     seqs = [torch.tensor([5, 9, 200, 31, 7]), torch.tensor([44, 2])]
+    for i, s in enumerate(seqs):
+        bm.allocate(i, s.tolist())  # as they grow, their blocks interleave in the cache
     for step in range(5):
         starts = [0] * 2 if step == 0 else [s.numel() - 1 for s in seqs]
         new = [s[start:] for s, start in zip(seqs, starts)]
         lens = torch.tensor([s.numel() for s in seqs], dtype=torch.int32)
         cu_q = torch.tensor([0, *torch.tensor([n.numel() for n in new]).cumsum(0)],
                             dtype=torch.int32)
-        slots = slot_mapping(tables, starts, lens.tolist(), cache.block_size)
+        slots = torch.tensor([x for i, (a, n) in enumerate(zip(starts, lens.tolist()))
+                              for x in bm.slots(i, a, n)])
+        tables = [bm.block_table(i) for i in range(2)]
+        width = max(map(len, tables))
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                    dtype=torch.int32)
 
         def paged(layer, q, k, v):
             cache.write(layer, k, v, slots, use_kernel=False)
             return paged_attention_ref(q, cache.key_cache(layer), cache.value_cache(layer),
-                                       block_tables_tensor(tables), cu_q, lens,
+                                       block_tables, cu_q, lens,
                                        compute_dtype=torch.float32).to(q.dtype)
 
         positions = torch.cat([torch.arange(a, int(n)) for a, n in zip(starts, lens)])
@@ -326,6 +333,8 @@ def test_swapped_attention_runs_the_model_over_a_paged_kv_cache():
             assert_logits_close(logits[b], model(seq[None])[0, -1],
                                 f"step {step}, sequence {b}: paged decode vs full forward")
         seqs = [torch.cat([s, row.argmax().view(1)]) for s, row in zip(seqs, logits)]
+        for i, s in enumerate(seqs):
+            bm.append_token(i, int(s[-1]))
 
 
 # --- on a GPU ---------------------------------------------------------------------------------

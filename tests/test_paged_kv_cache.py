@@ -3,10 +3,7 @@ import pytest
 import torch
 
 from labkit.kernels.store_kv import store_kv, store_kv_ref
-from labkit.kvcache import (
-    BlockManager, KVCacheShape, PagedKVCache, block_tables_tensor, kv_cache_bytes, slot_mapping,
-    tokens_that_fit,
-)
+from labkit.kvcache import BlockManager, KVCacheShape, PagedKVCache, kv_cache_bytes, tokens_that_fit
 
 FP8 = torch.float8_e4m3fn
 
@@ -98,7 +95,7 @@ def test_tokens_written_through_the_block_manager_read_back_in_order():
     bm.allocate("x", list(range(3)))                     # so that "a" does not start at block 0
     bm.allocate("a", list(range(10)))
     key, value = torch.randn(10, 3, 16), torch.randn(10, 3, 16)
-    slots = slot_mapping([bm.block_table("a")], [0], [10], 4)
+    slots = torch.tensor(bm.slots("a", 0, 10))
     cache.write(1, key, value, slots)
     k, v = cache.gather(1, bm.block_table("a"), 10)
     assert torch.equal(k, key) and torch.equal(v, value)
@@ -131,17 +128,6 @@ def test_fp8_cache_round_trips_within_e4m3_precision():
     for got, want in ((k, key), (v, value)):
         amax = want.abs().amax()
         assert ((got - want).abs() <= want.abs() * 2**-4 + amax * 2**-9).all()
-
-
-def test_slot_mapping_and_block_tables_for_a_batch():
-    tables = [[5, 2], [7]]
-    assert slot_mapping(tables, [3, 0], [6, 2], 4).tolist() == [23, 8, 9, 28, 29]
-    bt = block_tables_tensor(tables)
-    assert bt.dtype == torch.int32 and bt.tolist() == [[5, 2], [7, 0]]
-    with pytest.raises(ValueError, match="do not fit"):
-        slot_mapping(tables, [0, 0], [9, 1], 4)
-    with pytest.raises(ValueError, match="one start and one end per block table"):
-        slot_mapping(tables, [0], [5], 4)
 
 
 def test_memory_estimate_for_a_llama_3_8b_shape():

@@ -5,13 +5,12 @@ Tokens of all rows are packed one after another (varlen, no padding between rows
 attends to (its cached context plus its new tokens); ``slot_mapping`` says where each new token's
 K and V are stored; ``block_tables`` lets attention read a row's whole context from the cache.
 Build it after ``schedule()`` and before ``update()``: a request that finishes in ``update``
-gives its blocks back.
+gives its blocks back. ``ModelRunner.to_device`` takes it to the device: one int32 buffer, one
+copy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from labkit.engine.request import ScheduledStep
 from labkit.kvcache.block_manager import BlockManager
@@ -36,19 +35,6 @@ class StepMetadata:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
-
-    def to_tensors(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """int32 tensors (``slot_mapping`` int64, the store kernel's offsets into big caches)."""
-        def t(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype, device=device)
-        width = max((len(r) for r in self.block_tables), default=0)
-        return {
-            "input_ids": t(self.input_ids, torch.int64), "positions": t(self.positions),
-            "slot_mapping": t(self.slot_mapping, torch.int64), "cu_seqlens_q": t(self.cu_seqlens_q),
-            "seq_lens": t(self.seq_lens),
-            "block_tables": t(self.block_tables).reshape(len(self.block_tables), width),
-            "logits_indices": t(self.logits_indices, torch.int64),
-        }
 
 
 def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,

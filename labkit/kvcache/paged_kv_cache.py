@@ -159,28 +159,3 @@ class PagedKVCache:
             v = v.float() * self.v_scale[layer][:, None]
         return k, v
 
-
-def slot_mapping(block_tables: list[list[int]], starts: list[int], ends: list[int],
-                 block_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """int64 [sum(ends - starts)]: slots of positions [start, end) of each sequence, in order."""
-    if not len(block_tables) == len(starts) == len(ends):
-        raise ValueError(f"need one start and one end per block table, got {len(block_tables)} "
-                         f"tables, {len(starts)} starts, {len(ends)} ends")
-    slots: list[int] = []
-    for table, start, end in zip(block_tables, starts, ends):
-        if end > len(table) * block_size or start < 0 or start > end:
-            raise ValueError(f"positions [{start}, {end}) do not fit a block table of "
-                             f"{len(table)} blocks of {block_size}")
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(start, end))
-    return torch.tensor(slots, dtype=torch.int64, device=device)
-
-
-def block_tables_tensor(block_tables: list[list[int]], device: str | torch.device = "cpu",
-                        pad: int = 0) -> torch.Tensor:
-    """int32 [batch, max_blocks], rows padded with ``pad`` (read past seq_lens is masked)."""
-    width = max((len(t) for t in block_tables), default=0)
-    out = torch.full((len(block_tables), width), pad, dtype=torch.int32)
-    for i, table in enumerate(block_tables):
-        out[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    return out.to(device)
