@@ -30,7 +30,7 @@ dropped (the price of not waiting for the GPU).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from operator import index
 from typing import Hashable, Sequence
 
@@ -77,6 +77,19 @@ class SchedulerConfig:
 def cached_prefix_len(bm: BlockManager, token_ids: Sequence[int]) -> int:
     """Leading tokens the prefix cache would serve now; changes nothing."""
     return bm.cached_prefix_len(token_ids) if bm.enable_prefix_caching else 0
+
+
+@dataclass
+class _Plan:
+    """The step being filled: what is left of its token budget and what it holds so far."""
+    budget: int
+    sample_row: dict  # request id -> its row among the samples of the step in flight
+    rows: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    scheduled: set[Hashable] = field(default_factory=set)
+    starved: bool = False  # a running prefill got no tokens: admit nobody this step
+    hit_tokens: int = 0
 
 
 class Scheduler:
@@ -162,84 +175,74 @@ class Scheduler:
                 f"step {self._in_flight[0].step_id} was scheduled but not updated: call "
                 f"update(step, sampled_token_ids) first ({limit - 1} step(s) may be in flight "
                 f"{'with' if limit == 2 else 'without'} async_scheduling)")
-        cfg, bm = self.config, self.bm
         # Where each token sampled by the step in flight sits in that step's samples.
         sample_row = {}
         if self._in_flight:
-            rows = [r for r in self._in_flight[-1].rows if r.needs_logits]
-            sample_row = {r.request_id: i for i, r in enumerate(rows)}
-        budget = cfg.max_num_batched_tokens
-        rows: list[ScheduledSeq] = []
-        copies: list[tuple[int, int]] = []
-        preempted: list[Request] = []
-        scheduled: set[Hashable] = set()
-        starved = False
+            sampling = [r for r in self._in_flight[-1].rows if r.needs_logits]
+            sample_row = {r.request_id: i for i, r in enumerate(sampling)}
+        plan = _Plan(self.config.max_num_batched_tokens, sample_row)
+        self._schedule_decodes(plan)
+        self._schedule_prefill_chunks(plan)
+        self._admit_waiting(plan)
+        step = ScheduledStep(self._next_step, tuple(plan.rows), tuple(plan.copies),
+                             tuple(r.request_id for r in plan.preempted),
+                             self._stats(plan.rows, plan.hit_tokens, len(plan.preempted)))
+        self._next_step += 1
+        if plan.rows:  # an empty step has nothing to update
+            self._in_flight.append(step)
+        self.history.append(step.stats)
+        return step
 
-        def add_row(req: Request, start: int, n: int, is_prefill: bool) -> None:
-            nonlocal budget
-            tokens = tuple(req.token_ids(start, start + n))
-            source = sample_row[req.request_id] if tokens[-1] == PENDING else None
-            needs_logits = start + n == req.num_tokens
-            rows.append(ScheduledSeq(req, start, n, tokens, is_prefill, needs_logits, source))
-            scheduled.add(req.request_id)
-            budget -= n
-            req.num_computed_tokens = start + n
-            if needs_logits:
-                req.output_token_ids.append(PENDING)
-                req.token_steps.append(self._next_step)
-
-        # 1. decodes, oldest first; the newest running request gives way when blocks run out
+    def _schedule_decodes(self, plan: "_Plan") -> None:
+        """1. One token for each running request past its prompt, oldest first; the newest
+        running request gives way when blocks run out."""
         for req in [r for r in self.running if r.is_decode]:
             if req.status is not Status.RUNNING or self._done_when_resolved(req):
                 continue  # preempted earlier in this loop, or finishing with its pending token
-            while not bm.can_append(req.request_id):
-                victim = self._victim(req, scheduled)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
+            self._preempt_until(plan, req, lambda: self.bm.can_append(req.request_id),
+                                requester_too=True)
             if req.status is not Status.RUNNING:
                 continue
             start = req.num_computed_tokens
             token = req.token_ids(start, start + 1)[0]
-            copies += bm.append_token(req.request_id, None if token == PENDING else token)
-            add_row(req, start, 1, is_prefill=False)
+            plan.copies += self.bm.append_token(req.request_id, None if token == PENDING else token)
+            self._add_row(plan, req, start, 1, is_prefill=False)
 
-        # 2. running prefills: the next chunk, as large as the budget and free blocks allow
+    def _schedule_prefill_chunks(self, plan: "_Plan") -> None:
+        """2. The next chunk of each running request still in its prompt, as large as the
+        budget and the free blocks allow."""
         for req in [r for r in self.running if not r.is_decode]:
-            if budget == 0:
+            if plan.budget == 0:
                 break
             if req.status is not Status.RUNNING:
                 continue
-            while self._room(req) == 0:
-                victim = self._victim(req, scheduled)
-                if victim is req:
-                    break  # only older or already scheduled requests hold the blocks
-                self._preempt(victim)
-                preempted.append(victim)
+            # only older or already scheduled requests may hold the blocks: then it waits
+            self._preempt_until(plan, req, lambda: self._room(req) > 0, requester_too=False)
             start = req.num_computed_tokens
-            n = min(budget, req.num_tokens - start, self._room(req))
+            n = min(plan.budget, req.num_tokens - start, self._room(req))
             if n == 0:
-                starved = True  # waits for decodes to finish; admit nobody meanwhile
+                plan.starved = True  # waits for decodes to finish; admit nobody meanwhile
                 continue
             for t in req.token_ids(start, start + n):
-                copies += bm.append_token(req.request_id, t)
-            add_row(req, start, n, is_prefill=True)
+                plan.copies += self.bm.append_token(req.request_id, t)
+            self._add_row(plan, req, start, n, is_prefill=True)
 
-        # 3. new (or preempted) requests, first come first served, while nothing is starved
-        hit_tokens = 0
-        while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
-               and not starved and not preempted):
+    def _admit_waiting(self, plan: "_Plan") -> None:
+        """3. New (or preempted) requests, first come first served, with their prefix-cache hits
+        skipped, while nothing running is starved or was preempted in this step."""
+        cfg, bm = self.config, self.bm
+        while (self.waiting and plan.budget > 0 and len(self.running) < cfg.max_num_seqs
+               and not plan.starved and not plan.preempted):
             req = self.waiting[0]
             tokens = req.token_ids(0, req.num_tokens)
             if PENDING in tokens:
                 break  # preempted while its last token is in flight: admit it after update()
             hit = cached_prefix_len(bm, tokens)
             todo = len(tokens) - hit
-            if not cfg.enable_chunked_prefill and budget < todo <= cfg.max_num_batched_tokens:
+            if not cfg.enable_chunked_prefill and plan.budget < todo <= cfg.max_num_batched_tokens:
                 break  # wait for a step with room for all of it; a recompute that can never
                 # fit (prompt + output past the budget) is chunked, or it would be lost
-            end = hit + min(todo, budget)
+            end = hit + min(todo, plan.budget)
             if not bm.can_allocate(tokens[:end]):
                 break
             got = bm.allocate(req.request_id, tokens[:end])
@@ -248,17 +251,37 @@ class Scheduler:
             self.running.append(req)
             req.status = Status.RUNNING
             req.num_computed_tokens = req.num_cached_tokens = hit
-            hit_tokens += hit
-            add_row(req, hit, end - hit, is_prefill=True)
+            plan.hit_tokens += hit
+            self._add_row(plan, req, hit, end - hit, is_prefill=True)
 
-        step = ScheduledStep(self._next_step, tuple(rows), tuple(copies),
-                             tuple(r.request_id for r in preempted),
-                             self._stats(rows, hit_tokens, len(preempted)))
-        self._next_step += 1
-        if rows:  # an empty step has nothing to update
-            self._in_flight.append(step)
-        self.history.append(step.stats)
-        return step
+    def _add_row(self, plan: "_Plan", req: Request, start: int, n: int, is_prefill: bool
+                 ) -> None:
+        """Tokens [start, start + n) of ``req`` into the step; the last one of a request's known
+        tokens samples, so it gets a PENDING output token."""
+        tokens = tuple(req.token_ids(start, start + n))
+        source = plan.sample_row[req.request_id] if tokens[-1] == PENDING else None
+        needs_logits = start + n == req.num_tokens
+        plan.rows.append(ScheduledSeq(req, start, n, tokens, is_prefill, needs_logits, source))
+        plan.scheduled.add(req.request_id)
+        plan.budget -= n
+        req.num_computed_tokens = start + n
+        if needs_logits:
+            req.output_token_ids.append(PENDING)
+            req.token_steps.append(self._next_step)
+
+    def _preempt_until(self, plan: "_Plan", req: Request, has_room, *,
+                       requester_too: bool) -> None:
+        """4. Preemption: the newest running requests (``_victim``) give their blocks back
+        until ``has_room()``. Reaching ``req`` itself stops it: ``req`` is preempted too when
+        ``requester_too``, else it is left running, to wait for room."""
+        while not has_room():
+            victim = self._victim(req, plan.scheduled)
+            if victim is req and not requester_too:
+                return
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return
 
     def _done_when_resolved(self, req: Request) -> bool:
         """Its pending token is its last: max_tokens or max_model_len is reached with it."""
