@@ -121,12 +121,12 @@ def _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, str
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "CAUSAL", "WINDOW", "TMA"],
                  prune_configs_by={"early_config_prune": _fits_in_shared_memory})
 @triton.jit
-def _flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      stride_ot, stride_oh, qk_scale, window,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                      WINDOW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+def flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_ot, stride_oh, qk_scale, window,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                     WINDOW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     # Causal tiles at the end of a sequence have the most keys: start them first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -255,7 +255,7 @@ def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
     def grid(meta):
         return (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_q_heads, batch)
 
-    _flash_fwd_kernel[grid](
+    flash_fwd_kernel[grid](
         q, k, v, *descriptors, out, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), scale * math.log2(math.e), window or 0,

@@ -48,7 +48,7 @@ from labkit.kernels.attention_checks import (check_cache, check_cu_seqlens, chec
 from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits
 
 @triton.jit
-def _paged_attention_kernel(
+def paged_attention_kernel(
         Q, K_cache, V_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale, Out, Lse,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
         qk_scale, sm_scale, window, num_splits, keys_per_split,
@@ -239,7 +239,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
         dest, lse, lse_strides = out, out, (0, 0)
     scale = softmax_scale(scale, head_dim)
     dummy = torch.empty(1, dtype=torch.float32, device=q.device)
-    _paged_attention_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
+    paged_attention_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, dest, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

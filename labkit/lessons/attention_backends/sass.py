@@ -60,7 +60,7 @@ def _compile(cache: str, head_dim: int, group: int, block_size: int, arch: int) 
 
     from labkit.kernels import paged_attention as pa
 
-    kernel = pa._paged_attention_kernel
+    kernel = pa.paged_attention_kernel
     fp8 = cache == "fp8_e4m3"
     consts, launch = pa.tile_plan(fp8, head_dim, group, max_query_len=1, causal=True)
     consts.update(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, WINDOW=False, SPLIT=False,
