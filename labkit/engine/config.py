@@ -127,8 +127,8 @@ class ModelConfig:
 
     @classmethod
     def bench_1b(cls, **overrides) -> "ModelConfig":
-        """The issue's benchmark model: 16 layers, width 2048, 32 query / 8 KV heads, vocabulary
-        32,000, bf16; about 1.1B parameters."""
+        """The model the lab's recordings and benchmarks run on a GPU: 16 layers, width 2048,
+        32 query / 8 KV heads, vocabulary 32,000, bf16; about 1.1B parameters."""
         values = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                       max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
