@@ -77,10 +77,10 @@ def _fits_in_shared_memory(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, stride_vt, start,
-                  end, len_k, pos, qk_scale, window, offs_n, offs_d,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr, TMA: tl.constexpr):
+def attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, stride_vt, start,
+                 end, len_k, pos, qk_scale, window, offs_n, offs_d,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Fold key tiles [start, end) into the running (acc, l, m) of one query tile."""
     for n in range(start, end, BLOCK_N):
         keys = n + offs_n
@@ -173,15 +173,15 @@ def flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     kv_col = kv_head * HEAD_DIM  # this head's columns in a descriptor's [tokens, heads * D]
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
-                                  stride_vt, lo, full_lo, len_k, pos, qk_scale, window, offs_n,
-                                  offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
-                                  stride_vt, full_lo, full_hi, len_k, pos, qk_scale, window,
-                                  offs_n, offs_d, BLOCK_N, False, CAUSAL, WINDOW, TMA)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
-                                  stride_vt, full_hi, hi, len_k, pos, qk_scale, window, offs_n,
-                                  offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+    acc, l_i, m_i = attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
+                                 stride_vt, lo, full_lo, len_k, pos, qk_scale, window, offs_n,
+                                 offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+    acc, l_i, m_i = attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
+                                 stride_vt, full_lo, full_hi, len_k, pos, qk_scale, window,
+                                 offs_n, offs_d, BLOCK_N, False, CAUSAL, WINDOW, TMA)
+    acc, l_i, m_i = attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
+                                 stride_vt, full_hi, hi, len_k, pos, qk_scale, window, offs_n,
+                                 offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that saw no key gives zeros
     o_ptrs = Out + (q_row0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
