@@ -87,4 +87,65 @@ def test_notebook_runs_in_jupyterlab_and_every_output_renders(browser_page, path
     assert seen["figures"] >= expected and seen["drawn"] == seen["figures"], \
         f"{path.name}: {seen['drawn']} of {seen['figures']} figures drew, {expected} promised"
     assert seen["widget_errors"] == 0, f"{path.name}: a widget shows an error view"
+    dead = move_every_widget(page)
+    assert not dead, f"{path.name}: widgets whose output never changed when moved: {dead}"
     page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+
+
+def _shown(output) -> str:
+    """What an Output widget shows: its text (figure titles and ticks included) and how many
+    figures drew. An empty string when it shows nothing."""
+    text = output.evaluate("o => o.textContent.trim()")
+    figures = output.locator("svg.main-svg").count()
+    return f"{figures} figures | {text}" if text or figures else ""
+
+
+def _redrew(page, output, before: str, timeout_ms: int) -> bool:
+    """The Output shows something, and something other than ``before``."""
+    for _ in range(max(1, timeout_ms // 250)):
+        now = _shown(output)
+        if now and now != before:
+            return True
+        page.wait_for_timeout(250)
+    return False
+
+
+def move_every_widget(page, timeout_ms: int = 120_000) -> list[str]:
+    """Every widget the learner can move must change what it owns: each control beside an
+    Output widget (an ``interact`` or a hand-built box) is moved once, its run button pressed if
+    it has one, and the Output must redraw; each accordion (hints) must open a pane when its
+    title is clicked. Returns a description of each that did not."""
+    dead = []
+    boxes = page.locator(".widget-box:has(> .widget-output)")
+    for i in range(boxes.count()):
+        box = boxes.nth(i)
+        output = box.locator("> .widget-output")
+        before = _shown(output)
+        moved = []
+        for j in range(box.locator(".noUi-handle").count()):
+            handle = box.locator(".noUi-handle").nth(j)
+            handle.focus()
+            at_max = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
+            handle.press("ArrowLeft" if at_max else "ArrowRight")
+            moved.append(f"slider {j}")
+        for j in range(box.locator("select").count()):
+            select = box.locator("select").nth(j)
+            options = select.locator("option")
+            if options.count() > 1:
+                current = select.evaluate("s => s.selectedIndex")
+                select.select_option(index=(current + 1) % options.count())
+                moved.append(f"dropdown {j}")
+        run = box.locator("button:has-text('Run Interact')")
+        if run.count():
+            run.first.click()
+        if moved and not _redrew(page, output, before, timeout_ms):
+            dead.append(f"widget box {i} ({', '.join(moved)})")
+    accordions = page.locator(".jupyter-widget-Collapse-header, .p-Collapse-header, .lm-Collapse-header")
+    for i in range(accordions.count()):
+        header = accordions.nth(i)
+        header.scroll_into_view_if_needed()
+        header.click()
+        contents = header.locator("xpath=following-sibling::*[1]")
+        if not contents.is_visible():
+            dead.append(f"accordion title {i} ({header.inner_text()[:40]!r})")
+    return dead

@@ -190,22 +190,23 @@ def show_block_map(step: int) -> go.Figure:
 
 
 def block_map_widget(step: int = 0):
-    """A slider over STORY's steps that redraws :func:`show_block_map`.
+    """A slider over STORY's steps that redraws :func:`show_block_map` in an Output widget.
 
-    The figure is put into the Output widget's state (``outputs``, ``append_display_data``),
-    never shown inside ``with output:`` (what ``ipywidgets.interact`` and ``clear_output`` do):
-    executed headless by papermill/nbclient, the captured form can hang
-    (nteract/papermill#723, jupyter/nbclient#312).
+    The figure is displayed *inside* ``with output:``: JupyterLab renders what the Output widget
+    captured. Written into the widget's state instead (``append_display_data``), the plotly
+    bundle is kept but never drawn in a live lab.
     """
     import ipywidgets as widgets
+    from IPython.display import display
 
     slider = widgets.IntSlider(value=step, min=0, max=len(STORY) - 1, description="step",
                                continuous_update=False)
     output = widgets.Output()
 
     def redraw(change=None):
-        output.outputs = ()
-        output.append_display_data(show_block_map(slider.value))
+        with output:
+            output.clear_output(wait=True)
+            display(show_block_map(slider.value))
 
     slider.observe(redraw, names="value")
     redraw()
