@@ -134,6 +134,20 @@ def test_decode_step_writes_its_token_and_returns_one_row_per_sequence(tiny_mode
                                "(graph replay depends on it)")
 
 
+def test_a_step_can_run_the_fused_layer_ops_without_changing_the_model(tiny_model, monkeypatch):
+    from labkit.engine.model import FusedOps
+    calls = []
+    kernel = FusedOps.add_rms_norm
+    monkeypatch.setattr(FusedOps, "add_rms_norm",
+                        staticmethod(lambda *a: calls.append(1) or kernel(*a)))
+    plain = pdc.forward_step(tiny_model, pdc.decode(2, 6), seed=1)()
+    assert not calls, "the model's own choice is plain ops"
+    fused = pdc.forward_step(tiny_model, pdc.decode(2, 6), seed=1, fused_ops=True)()
+    assert calls, "fused_ops=True ran the fused kernels"
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert tiny_model.fused_ops is False, "the choice is the call's, not flipped on the model"
+
+
 def test_measure_returns_a_point_per_shape_with_consistent_rates(tiny_model):
     points = pdc.time_forwards(tiny_model, [pdc.prefill(8), pdc.decode(2, 8)], repeats=3)
     assert list(points["shape"]) == ["prefill S=8", "decode B=2 ctx 8"]

@@ -140,14 +140,15 @@ def decode_attention_ref(q, k_cache, v_cache) -> torch.Tensor:
     return torch.einsum("bhc,bhcd->bhd", scores.softmax(-1), v).to(q.dtype)
 
 
-def forward_step(model: LlamaModel, shape: ForwardShape, seed: int = 0
-                 ) -> Callable[[], torch.Tensor]:
+def forward_step(model: LlamaModel, shape: ForwardShape, seed: int = 0, *,
+                 fused_ops: bool | None = None) -> Callable[[], torch.Tensor]:
     """A zero-argument forward of ``shape`` -> logits [batch, vocab], on fixed tensors.
 
     Prefill attends causally within each prompt. Decode writes each row's new K/V at position
     ``context - 1`` of a random cache [batch, Hkv, context, D] per layer and attends over all
     of it. Nothing is read back to the host, so a CUDA Graph can capture the call (keep the
     callable while the graph replays: the graph reads its tensors but holds no reference).
+    ``fused_ops``: the layers' small ops fused or plain (None: the model's own choice).
     """
     c, dev, dtype = model.config, model.embed_tokens.device, model.embed_tokens.dtype
     B, S, C = shape.batch, shape.tokens, shape.context
@@ -173,17 +174,18 @@ def forward_step(model: LlamaModel, shape: ForwardShape, seed: int = 0
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
-        return model.compute_logits(model.hidden_states(input_ids, positions, attention)
-                                    [last_rows])
+        return model.compute_logits(model.hidden_states(input_ids, positions, attention,
+                                                        fused_ops=fused_ops)[last_rows])
     return step
 
 
 def time_forward(model: LlamaModel, shape: ForwardShape, mode: str = "eager", *,
-                 warmup: int = 2, repeats: int = 10) -> bench.Timing:
+                 warmup: int = 2, repeats: int = 10, fused_ops: bool | None = None
+                 ) -> bench.Timing:
     """One forward launched op by op ("eager") or replayed from a CUDA Graph ("graph")."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    dev, step = model.embed_tokens.device, forward_step(model, shape)
+    dev, step = model.embed_tokens.device, forward_step(model, shape, fused_ops=fused_ops)
     if mode == "graph":
         if dev.type != "cuda":
             raise ValueError("mode='graph' needs the model on a CUDA device; on CPU compare "
@@ -194,13 +196,15 @@ def time_forward(model: LlamaModel, shape: ForwardShape, mode: str = "eager", *,
 
 
 def time_forwards(model: LlamaModel, shapes: Sequence[ForwardShape],
-                  modes: Sequence[str] = ("eager",), repeats: int = 10) -> pd.DataFrame:
+                  modes: Sequence[str] = ("eager",), repeats: int = 10, *,
+                  fused_ops: bool | None = None) -> pd.DataFrame:
     """Each shape in each mode: its time, FLOPs, bytes, and the TFLOP/s and GB/s it reached."""
     rows = []
     for shape in shapes:
         cost = forward_cost(model.config, shape, model.embed_tokens.element_size())
         for mode in modes:
-            t = time_forward(model, shape, mode, repeats=repeats).median_us * 1e-6  # seconds
+            timing = time_forward(model, shape, mode, repeats=repeats, fused_ops=fused_ops)
+            t = timing.median_us * 1e-6  # seconds
             rows.append({**cost, "mode": mode, "ms": t * 1e3, "tflops": cost["flops"] / t / 1e12,
                          "gbps": cost["bytes"] / t / 1e9})
         free_memory(model.embed_tokens.device)  # a decode's cache can take tens of GB
@@ -308,14 +312,10 @@ def record(device="cuda", config: ModelConfig | None = None,
     points = time_forwards(model, shapes, MODES if dev.type == "cuda" else ("eager",))
     prefills, decodes = ([s for s in shapes if s.kind == k] for k in KINDS)
     profiled = prefills[-1:] + decodes[:1]  # as listed: the longest prefill, smallest decode
-    model.fused_ops = True
-    try:
-        fused = {"points": time_forwards(model, shapes, MODES if dev.type == "cuda" else ("eager",))
-                 .to_dict(orient="list"),
-                 "profiles": {s.name: trace(forward_step(model, s), device=dev).summary
-                              for s in decodes[:1]}}
-    finally:
-        model.fused_ops = False
+    modes = MODES if dev.type == "cuda" else ("eager",)
+    fused = {"points": time_forwards(model, shapes, modes, fused_ops=True).to_dict(orient="list"),
+             "profiles": {s.name: trace(forward_step(model, s, fused_ops=True), device=dev).summary
+                          for s in decodes[:1]}}
     return {"config": config.to_dict(), "peaks": peaks.ceilings(dev, quick=dev.type != "cuda"),
             "points": points.to_dict(orient="list"), "fused": fused,
             "issue_floor_ms": {k: op_issue_floor(model, k) for k in KINDS},
