@@ -1,4 +1,5 @@
-"""The shape of a Llama-style decoder, read from a Hugging Face style ``config.json``.
+"""The engine's two configs: the shape of a Llama-style decoder (``ModelConfig``, read from a
+Hugging Face style ``config.json``) and the scheduler's budgets (``SchedulerConfig``).
 
 Only the fields the model needs are kept; the rest of the file (tokenizer ids, ``use_cache``,
 ...) is ignored. Anything that would change the arithmetic and that labkit's model does not
@@ -154,3 +155,34 @@ def _refuse_unsupported(config: dict) -> None:
         raise ValueError("this config asks for what labkit's Llama-style model does not "
                          "compute: " + "; ".join(problems)
                          + ". Use a Llama-architecture checkpoint or drop these fields.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold and how requests are scheduled (``labkit.engine.scheduler``)."""
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64              # running requests at once
+    max_model_len: int = 2048           # prompt + output never goes past this
+    enable_chunked_prefill: bool = True
+    decode_buckets: tuple[int, ...] | None = None  # graph batch sizes, for padded-row stats
+    vocab_size: int | None = None       # if given, prompt token ids are checked against it
+    async_scheduling: bool = False      # schedule step N+1 before step N's tokens are known
+
+    def __post_init__(self):
+        check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens,
+                           hint="the token budget of one step")
+        check_positive_int("max_num_seqs", self.max_num_seqs, hint="running requests at once")
+        check_positive_int("max_model_len", self.max_model_len)
+        if self.vocab_size is not None:
+            check_positive_int("vocab_size", self.vocab_size, hint="or None: ids unchecked")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
+                f"{self.max_num_seqs}: a step could not hold one decode per running request; "
+                "raise the budget or lower max_num_seqs")
+        if self.decode_buckets is not None:
+            buckets = tuple(sorted(set(self.decode_buckets)))
+            if not buckets or buckets[0] < 1:
+                raise ValueError(f"decode_buckets must be positive batch sizes, got "
+                                 f"{self.decode_buckets!r}")
+            object.__setattr__(self, "decode_buckets", buckets)
