@@ -20,6 +20,7 @@ shapes.
 """
 from __future__ import annotations
 
+import labkit  # noqa: F401  (before triton: interpreter on where there is no GPU)
 import torch
 import triton
 import triton.language as tl
@@ -176,3 +177,37 @@ def silu_mul_ref(gate_up):
     """gate_up: [T, 2 I] -> ``silu(gate) * up``: [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+if __name__ == "__main__":
+    from labkit.device import interpreter_on
+    from labkit.measure.bench import gbps, measure
+
+    device = labkit.select_device("auto")
+    dtype = torch.float32 if interpreter_on() else torch.bfloat16
+    tokens, hidden, heads, kv_heads, head_dim, inter = (
+        (7, 256, 4, 2, 64, 512) if interpreter_on() else (64, 2048, 32, 8, 64, 8192))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x, r = (torch.randn(tokens, hidden, generator=g).to(device, dtype) for _ in "xr")
+    w = torch.randn(hidden, generator=g).to(device, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(device, dtype)
+    positions = torch.arange(100, 100 + tokens, device=device)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    gate_up = torch.randn(tokens, 2 * inter, generator=g).to(device, dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(add_rms_norm(x, r, w, 1e-6), add_rms_norm_ref(x, r, w, 1e-6)):
+        torch.testing.assert_close(got, want, **tol)  # the normed rows and the new residual
+    torch.testing.assert_close(rope_(qkv.clone(), positions, inv_freq, heads, kv_heads),
+                               rope_ref(qkv, positions, inv_freq, heads, kv_heads), **tol)
+    torch.testing.assert_close(silu_mul(gate_up), silu_mul_ref(gate_up), **tol)
+    print(f"add_rms_norm, rope_ and silu_mul match their references ({dtype}, {device})")
+    if interpreter_on():
+        print("(Triton's interpreter runs the kernels in Python: their times say nothing of a GPU)")
+    cases = {"add_rms_norm": ((lambda: add_rms_norm(x, r, w, 1e-6)),
+                              (lambda: add_rms_norm_ref(x, r, w, 1e-6)), 4 * x.numel()),
+             "silu_mul": ((lambda: silu_mul(gate_up)), (lambda: silu_mul_ref(gate_up)),
+                          3 * gate_up.numel() // 2)}
+    for name, (fused, plain, elements) in cases.items():
+        for label, fn in (("triton", fused), ("torch ", plain)):
+            t = measure(fn, device=device, warmup=2, repeats=5 if interpreter_on() else 50)
+            print(f"{name:12s} {label} {t}  {gbps(elements * x.element_size(), t):8.2f} GB/s")

@@ -12,6 +12,7 @@ weight. A split that saw no key has ``lse_s = -inf`` and weight 0.
 """
 from __future__ import annotations
 
+import labkit  # noqa: F401  (before triton: interpreter on where there is no GPU)
 import torch
 import triton
 import triton.language as tl
@@ -78,3 +79,23 @@ def merge_splits_ref(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     total = weight.sum(-1, keepdim=True)
     out = (weight[..., None] * partial.double()).sum(-2)
     return out / torch.where(total == 0, torch.ones_like(total), total)
+
+
+if __name__ == "__main__":
+    from labkit.device import interpreter_on
+    from labkit.measure.bench import measure
+
+    device = labkit.select_device("auto")
+    tokens, heads, splits, head_dim = (5, 4, 3, 64) if interpreter_on() else (64, 32, 16, 128)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    partial = torch.randn(tokens, heads, splits, head_dim, generator=g).to(device)
+    lse = torch.randn(tokens, heads, splits, generator=g).to(device)
+    lse[0, 0, :] = float("-inf")  # a token whose every split saw no key
+    out = merge_splits(partial, lse, torch.empty(tokens, heads, head_dim, device=device))
+    torch.testing.assert_close(out.double(), merge_splits_ref(partial, lse), rtol=1e-5, atol=1e-5)
+    print(f"merge_splits matches the reference on {tokens} tokens x {heads} heads, {splits} splits")
+    t = measure(lambda: merge_splits(partial, lse, out), device=device, warmup=2,
+                repeats=5 if interpreter_on() else 50)
+    print(f"merge_splits {t}" + ("  (interpreted: says nothing of a GPU)" if interpreter_on() else ""))
+    print("choose_num_splits, batch 1, 8 KV heads, 132 SMs:",
+          {n: choose_num_splits(8, n, 132) for n in (1024, 8192, 32768)})
