@@ -86,6 +86,15 @@ def test_every_stub_fails_its_check_with_a_helpful_message(student_copy, exercis
     assert says in result.message, f"the stub's failure should say {says!r}:\n{result!r}"
 
 
+def test_a_triton_exercise_is_checked_from_a_shell_too(student_copy, capsys):
+    from labkit.teaching.check import main
+    assert main(["06.2"]) == 0, "the instructor's solution passes"
+    assert "still the stub" not in capsys.readouterr().out
+    stub = student_copy / "kernels" / "exercises" / EXERCISES["06.2"].kernel_file
+    assert main(["06.2", "--source", str(stub)]) == 1, "the untouched stub fails"
+    assert "still the stub" in capsys.readouterr().out
+
+
 def test_a_stub_that_raises_says_what_to_write(student_copy):
     result = check("05.2", learner_function(student_copy, "05.2")[0], device="cpu")
     assert EXERCISES["05.2"].task in result.message, result.message
