@@ -37,9 +37,61 @@ def test_no_crossover_when_the_fast_mode_always_wins():
     assert lo.crossover(_synthetic({1: 7.0, 2: 7.0}, {1: 1.0, 2: 1.0})) is None
 
 
-def test_fixed_cost_share_falls_as_kernels_grow():
-    share = lo.overhead_share(_synthetic({1: 5.0, 2: 5.0, 4: 50.0}, {1: 1, 2: 1, 4: 1}))
-    assert list(share.fixed_cost_share) == [1.0, 1.0, 0.1]
+def test_an_eager_kernel_is_bound_by_the_max_of_launch_and_kernel_not_their_sum():
+    # launch floor 7 us; the kernel itself 1, 2, 9, 20 us (what the replay measures)
+    bound = lo.launch_bound(_synthetic({1: 7.0, 2: 7.0, 4: 9.2, 8: 20.5},
+                                       {1: 1.0, 2: 2.0, 4: 9.0, 8: 20.0}))
+    assert bound.launch_floor_us.iloc[0] == 7.0
+    assert list(bound.model_us) == [7.0, 7.0, 9.0, 20.0], "max(launch, kernel) per size"
+    assert list(bound.bound) == ["launch", "launch", "kernel", "kernel"]
+    assert bound.model_error.abs().max() < 0.03
+    assert bound.launch_share.iloc[0] == pytest.approx(1 - 1 / 7)
+
+
+@pytest.fixture
+def fresh_claims():
+    from labkit.teaching import reset_claims
+    reset_claims()
+    yield
+    reset_claims()
+
+
+def recorded_sweep():
+    from labkit.tools import recorded
+    rec = recorded.load("launch_overhead")
+    return rec, pd.DataFrame(rec.data["sweep"])
+
+
+def test_notebook_01s_sweep_claims_hold_on_the_recording(fresh_claims):
+    rec, df = recorded_sweep()
+    assert all(c.held for c in lo.sweep_claims(df, "graph", recorded=rec))
+
+
+def test_notebook_01s_sweep_claims_fail_with_eager_and_graph_swapped(fresh_claims):
+    rec, df = recorded_sweep()
+    swapped = df.assign(mode=df["mode"].map({"eager": "graph", "graph": "eager"}))
+    flat, gain, cross = lo.sweep_claims(swapped, "graph", recorded=rec)
+    assert not gain.held and not cross.held
+
+
+def test_notebook_01s_flat_claim_fails_when_tiny_kernels_grow_with_size(fresh_claims):
+    df = _synthetic({1: 7.0, 2: 14.0, 4: 30.0}, {1: 1.0, 2: 1.5, 4: 30.0})
+    assert not lo.sweep_claims(df, "graph", expect_crossover=False)[0].held
+
+
+def test_notebook_01s_timeline_claims_fail_with_the_timelines_swapped(fresh_claims):
+    from labkit.measure.profile import Trace
+    from labkit.tools import recorded
+    rec = recorded.load("launch_overhead")
+    eager, graph = (Trace.from_dict(rec.data[k]).summary for k in ("trace_eager", "trace_graph"))
+    assert all(c.held for c in lo.timeline_claims(eager, graph, "graph", 30, recorded=rec))
+    swapped = lo.timeline_claims(graph, eager, "graph", 30, recorded=rec)
+    assert not swapped[0].held and not swapped[1].held
+
+
+def test_notebook_01s_chain_length_claim_fails_when_the_cost_is_not_per_kernel(fresh_claims):
+    assert lo.chain_length_claim(2.0, 2.2, 64, 4, 16).held
+    assert not lo.chain_length_claim(2.0, 8.0, 64, 4, 16).held, "4x per kernel: not a flat cost"
 
 
 def test_cpu_sweep_measures_every_size_in_both_modes():

@@ -17,6 +17,7 @@ import torch
 from labkit.measure import bench
 from labkit.device import select_device
 from labkit.graphs import capture_graph
+from labkit.teaching import claim
 
 MODES = ("eager", "graph", "compiled")
 
@@ -129,9 +130,102 @@ def record() -> dict:
             "trace_eager": eager.to_dict(), "trace_graph": graph.to_dict()}
 
 
-def overhead_share(df: pd.DataFrame, mode: str = "eager") -> pd.DataFrame:
-    """How much of each op's time is the fixed per-launch cost (its time at the smallest size)."""
-    d = df[df["mode"] == mode].sort_values("numel")
-    fixed = d.us_per_kernel.iloc[0]
-    return pd.DataFrame({"numel": d.numel.values, "us_per_kernel": d.us_per_kernel.values,
-                         "fixed_cost_share": (fixed / d.us_per_kernel).clip(upper=1.0).values})
+def launch_bound(df: pd.DataFrame, base: str = "eager", fast: str = "graph") -> pd.DataFrame:
+    """Per size, what bounds an eager kernel: its launch or its own work.
+
+    Launches are asynchronous, so an eager chain runs at ``max(launch, kernel)`` per kernel, not
+    their sum: the CPU launches kernel i+1 while the GPU runs kernel i. ``launch_floor_us`` is
+    the eager time of the smallest kernels (pure launch cost: the median of the two smallest
+    sizes); a replayed graph pays no launches, so its time is the kernel's own. ``model_us`` is
+    ``max(launch_floor, replayed)``, ``bound`` says which term wins, and ``launch_share`` how
+    much of the eager time the graph removes."""
+    table = speedup_table(df, base, fast).sort_values("numel")
+    floor = float(table[base].iloc[:2].median())
+    model = table[fast].clip(lower=floor)
+    return pd.DataFrame({
+        "numel": table.numel.values, base: table[base].values, fast: table[fast].values,
+        "launch_floor_us": floor, "model_us": model.values,
+        "model_error": (table[base] / model - 1).values,
+        "bound": ["launch" if floor >= f else "kernel" for f in table[fast]],
+        "launch_share": (1 - table[fast] / table[base]).clip(lower=0.0).values})
+
+
+# ----------------------------------------------------------------------- what the notebook claims
+def sweep_claims(df: pd.DataFrame, fast: str, *, expect_crossover: bool = True, recorded=None,
+                 within: float = 0.10) -> list:
+    """The sweep's three claims, computed from ``df`` (``recorded``: the recording they were
+    checked against, where ``df`` came from one): tiny kernels cost a flat launch each, the fast
+    mode removes most of it, and (``expect_crossover``: a graph over sizes up to tens of millions
+    of elements) from some size on it stops mattering. A compiled CPU chain also fuses its adds,
+    so it keeps winning at every size: there the third claim is not made."""
+    # The 20th percentile of each size's samples: the cost itself, without what a busy machine
+    # adds to some of them (a recording without percentiles uses its medians).
+    column = "p20_us" if "p20_us" in df else "us_per_kernel"
+    table = speedup_table(df.assign(us_per_kernel=df[column]), "eager", fast).sort_values("numel")
+    tiny = table.iloc[:2]
+    lo_us, hi_us = float(tiny.eager.min()), float(tiny.eager.max())
+    first = table.iloc[0]
+    cross = crossover(df, "eager", fast, within)
+    where = f" on {recorded.fingerprint['gpu']}" if recorded is not None else ""
+    made = [
+        claim("Tiny eager kernels cost about the same whatever they compute{where}: "
+              "{lo_us:.2f}-{hi_us:.2f} us per kernel at {a:,} and {b:,} elements "
+              "(within {ratio:.2f}x): a fixed cost per launch.", hi_us / lo_us < 1.6,
+              where=where, lo_us=lo_us, hi_us=hi_us, a=int(tiny.numel.iloc[0]),
+              b=int(tiny.numel.iloc[1]), ratio=hi_us / lo_us, recorded=recorded),
+        claim("{fast} takes {fast_us:.2f} us per kernel at {n:,} elements against {eager_us:.2f} "
+              "us eager{where}: {x:.1f}x less.", first.speedup > 2, fast=fast,
+              fast_us=float(first[fast]), n=int(first.numel), eager_us=float(first.eager),
+              where=where, x=float(first.speedup), recorded=recorded)]
+    if expect_crossover:
+        made.append(claim(
+            "From {cross} elements per kernel {fast} saves less than {within:.0%}{where}: the "
+            "kernels are then long enough to hide the next launch.",
+            cross is not None and cross > first.numel,  # it saved more than that before
+            cross=f"{cross:,}" if cross is not None else "no measured size",
+            fast=fast, within=within, where=where, recorded=recorded))
+    return made
+
+
+def timeline_claims(eager: dict, fast: dict, fast_mode: str, n_kernels: int, *,
+                    recorded=None) -> list:
+    """What the two timelines show, from their summaries (``Trace.summary``): on a GPU, how
+    busy the GPU was eager and replayed, and where an eager kernel's host time goes; on a CPU,
+    how many top-level calls each made."""
+    where = f" on {recorded.fingerprint['gpu']}" if recorded is not None else ""
+    if "gpu_busy_fraction" in eager:
+        host, api = eager.get("cpu_us_per_launch"), eager.get("launch_api_us")
+        measured = host is not None and api is not None
+        return [
+            claim("Eager{where}, the GPU ran kernels {busy:.0%} of the chain's span: it spent "
+                  "the rest waiting for the next launch.", eager["gpu_busy_fraction"] < 0.5,
+                  where=where, busy=eager["gpu_busy_fraction"], recorded=recorded),
+            claim("Replayed from a graph, the GPU was busy {fast_busy:.0%} of the span, against "
+                  "{busy:.0%} eager.", fast["gpu_busy_fraction"] > eager["gpu_busy_fraction"],
+                  fast_busy=fast["gpu_busy_fraction"], busy=eager["gpu_busy_fraction"],
+                  recorded=recorded),
+            claim("Each eager kernel costs the host {host} us, of which cudaLaunchKernel is "
+                  "{api} us: the rest is Python and PyTorch's dispatcher. A replay removes all "
+                  "of that host work, not only the launch call.", measured and api < host,
+                  host=f"{host:.1f}" if measured else "?", api=f"{api:.1f}" if measured else "?",
+                  recorded=recorded),
+        ]
+    return [
+        claim("Eager, every one of the {n} adds is its own top-level call on the CPU timeline: "
+              "{ops} of them.", eager["top_level_ops"] == n_kernels, n=n_kernels,
+              ops=eager["top_level_ops"]),
+        claim("{mode}, the same chain makes {fast_ops} top-level call(s) instead of {ops}.",
+              fast["top_level_ops"] < eager["top_level_ops"], mode=fast_mode.capitalize(),
+              fast_ops=fast["top_level_ops"], ops=eager["top_level_ops"]),
+    ]
+
+
+def chain_length_claim(base_us: float, longer_us: float, n_kernels: int, factor: int,
+                       numel: int):
+    """The prediction's answer: a chain ``factor`` times longer costs about the same per kernel."""
+    ratio = longer_us / base_us
+    return claim("A chain of {longer_n} kernels costs {longer_us:.2f} us per kernel at {numel:,} "
+                 "elements, {ratio:.2f}x the {n}-kernel chain's {base_us:.2f} us: the cost is "
+                 "paid per kernel, so the whole chain takes about {factor}x as long.",
+                 0.5 < ratio < 1.5, longer_n=factor * n_kernels, longer_us=longer_us,
+                 numel=numel, ratio=ratio, n=n_kernels, base_us=base_us, factor=factor)

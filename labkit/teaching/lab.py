@@ -4,14 +4,17 @@ from __future__ import annotations
 import torch
 
 from labkit.device import describe, select_device
+from labkit.teaching.truth import reset_claims
 from labkit.tools import recorded
 
 
 def start(device: str = "auto") -> torch.device:
-    """Pick the device, make plotly figures light (no plotly.js copy per output), say where we are."""
+    """Pick the device, make plotly figures light (no plotly.js copy per output), say where we
+    are, and start the notebook's list of claims afresh (a rerun does not count them twice)."""
     import plotly.io as pio
 
     pio.renderers.default = "plotly_mimetype"
+    reset_claims()
     dev = select_device(device)
     print(describe())
     return dev
