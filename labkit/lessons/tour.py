@@ -1,11 +1,53 @@
-"""Notebook 00: this machine's fingerprint and the map of the sequence."""
+"""Notebook 00: this machine's fingerprint, the map of the sequence and of the chapter's
+concepts, and the two ceilings every later figure is read against, beside the datasheet."""
 from __future__ import annotations
 
 import pandas as pd
 import torch
 
 from labkit.device import fingerprint
+from labkit.teaching import claim
 from labkit.tools import NOTEBOOK_DIR
+
+# Vendors' datasheet figures (not measured): NVIDIA's H200 SXM and H100 SXM datasheets give HBM
+# bandwidth and dense (no sparsity) BF16 tensor-core throughput.
+DATASHEETS = {
+    "NVIDIA H200": {"copy_GBps": 4800.0, "matmul_TFLOPs": 989.0,
+                    "source": "NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense BF16"},
+    "NVIDIA H100 80GB HBM3": {"copy_GBps": 3350.0, "matmul_TFLOPs": 989.0,
+                              "source": "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s "
+                                        "dense BF16"},
+}
+
+# The chapter's concepts (shared/COVERAGE.md), each with the notebook that shows it live.
+CONCEPTS = [
+    ("An attention backend is paged addressing plus IO tiling, matched to dtype, mask, layout", "06"),
+    ("What to check before choosing a backend: model, cache, request, graph, hardware", "06"),
+    ("Automatic backend selection with its log; forcing one only where it is supported", "06, 08"),
+    ("Eager mode as a diagnostic control", "02, 08"),
+    ("Piecewise vs full-graph capture; compile enabled is not everything fused", "03, 08"),
+    ("The controlled experiment: backends x eager/graph, first-run and steady-state costs", "08"),
+    ("Lower launch cost eaten by padding arithmetic", "02, 08"),
+    ("Stream/event ordering of batch metadata copies", "04, 08"),
+    ("Streams have no natural order: reusing a copy's source too early", "04"),
+    ("CUDA Graph capture and replay: warm-up, static buffers, fixed addresses", "02"),
+    ("The static_in = next_batch pitfall vs static_in.copy_(next_batch)", "02"),
+    ("Graph costs: capture time, memory, one graph per bucket", "02"),
+    ("Graphs help decode (many short kernels), not long prefill", "01, 07"),
+    ("Reading the profiler: CPU gaps before small kernels", "01"),
+    ("Graphs vs kernels chosen by context length: (batch, context) buckets", "02"),
+    ("torch.compile: Dynamo -> FX -> AOTAutograd -> Inductor -> Triton/C++", "03"),
+    ("Compile modes and dynamic=False recompiles", "03"),
+    ("Graph breaks from data-dependent control flow; the torch.where fix", "03"),
+    ("dynamic=True vs shape buckets", "03"),
+    ("Compile pitfalls: breaks, recompiles, cold start, guards", "03"),
+    ("Overlap: CPU with GPU, copies with compute, communication with compute", "04, 07, 08, 09"),
+    ("Pinned vs pageable memory", "04"),
+    ("Paging, continuous batching and prefix caching", "05, 07, 08"),
+    ("MLA: one shared latent per token, weight absorption", "not yet written"),
+    ("Speculative verification: several new tokens checked in one forward", "not yet written"),
+    ("Piecewise vs full CUDA graphs inside the engine", "07, 08"),
+]
 
 # (stem, what the learner sees, what needs a GPU, what the CPU shows instead)
 SEQUENCE = [
@@ -37,15 +79,101 @@ def fingerprint_table() -> pd.DataFrame:
 
 
 def sequence_table(device: torch.device) -> pd.DataFrame:
-    """The notebooks, whether they are here yet, and what runs live on this device."""
+    """The notebooks of the sequence and what runs live on this device."""
     on_gpu = device.type == "cuda"
-    rows = []
-    for stem, sees, gpu_part, cpu_part in SEQUENCE:
-        rows.append({
-            "notebook": stem,
-            "what you see": sees,
-            "here": "yes" if (NOTEBOOK_DIR / f"{stem}.ipynb").exists() else "not yet written",
-            "on this machine": "all live on the GPU" if on_gpu else cpu_part,
-            "needs a GPU for": gpu_part,
-        })
-    return pd.DataFrame(rows)
+    present = {p.stem for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb")}
+    return pd.DataFrame([{"notebook": stem, "what you see": sees,
+                          "on this machine": "all live on the GPU" if on_gpu else cpu_part,
+                          "needs a GPU for": gpu_part}
+                         for stem, sees, gpu_part, cpu_part in SEQUENCE if stem in present])
+
+
+def concept_map() -> pd.DataFrame:
+    """The chapter's concepts and the notebook that shows each one live."""
+    return pd.DataFrame(CONCEPTS, columns=["concept", "notebook"])
+
+
+def datasheet(gpu: str | None) -> dict | None:
+    """The vendor's figures for ``gpu`` (a fingerprint's name), or None when it is not listed."""
+    return DATASHEETS.get(gpu or "")
+
+
+def ceilings_table(here: dict, gpu: str | None, recorded=None) -> pd.DataFrame:
+    """This machine's ceilings (and the recording's, where there is one) beside the datasheet."""
+    rows = [("this machine", here, gpu)]
+    if recorded is not None:
+        rows.append((f"recorded: {recorded.fingerprint['gpu']}", recorded.data,
+                     recorded.fingerprint["gpu"]))
+    out = []
+    for name, d, g in rows:
+        sheet = datasheet(g)
+        out.append({"machine": name, "copy GB/s": d["copy_GBps"],
+                    "matmul TFLOP/s": d["matmul_TFLOPs"], "matmul dtype": d["matmul_dtype"],
+                    "ridge FLOP/B": ridge(d),
+                    "copy / datasheet": d["copy_GBps"] / sheet["copy_GBps"] if sheet else None,
+                    "matmul / datasheet": d["matmul_TFLOPs"] / sheet["matmul_TFLOPs"]
+                    if sheet else None})
+    return pd.DataFrame(out)
+
+
+def ridge(ceil: dict) -> float:
+    """FLOPs per byte moved at which a kernel stops being memory-bound: matmul rate / copy rate."""
+    return ceil["matmul_TFLOPs"] * 1e12 / (ceil["copy_GBps"] * 1e9)
+
+
+def ceiling_claims(ceil: dict, gpu: str | None, *, recorded=None) -> list:
+    """What the two ceilings say: how close to the datasheet a real copy and a real matmul get
+    (on a listed GPU), and which side of the ridge a batch-1 decode step falls."""
+    where = f" on {gpu}" if recorded is not None else ""
+    made = []
+    sheet = datasheet(gpu)
+    if sheet is not None:
+        copy, mm = ceil["copy_GBps"] / sheet["copy_GBps"], ceil["matmul_TFLOPs"] / sheet["matmul_TFLOPs"]
+        made += [
+            claim("A device-to-device copy{where} moves {gbps:,.0f} GB/s: {frac:.0%} of the "
+                  "datasheet's {sheet:,.0f} GB/s (the datasheet gives the memory's pin rate, which no "
+                  "real access pattern reaches).", 0.6 < copy <= 1.02,
+                  where=where, gbps=ceil["copy_GBps"], frac=copy, sheet=sheet["copy_GBps"],
+                  recorded=recorded),
+            claim("A {dtype} matmul on random data{where} runs at {tf:,.0f} TFLOP/s: {frac:.0%} "
+                  "of the datasheet's dense {sheet:,.0f} (a peak at the boost clock, which sustained "
+                  "tensor-core work does not hold).", 0.5 < mm <= 1.02, dtype=ceil["matmul_dtype"],
+                  where=where, tf=ceil["matmul_TFLOPs"], frac=mm, sheet=sheet["matmul_TFLOPs"],
+                  recorded=recorded),
+        ]
+    r = ridge(ceil)
+    made.append(claim(
+        "The ridge point{where} is {ridge:,.0f} FLOP per byte. A batch-1 decode step does about "
+        "1 FLOP per byte of weights it reads (each 2-byte bf16 weight serves one multiply-add), "
+        "{below:,.0f}x below it: decode is memory-bound, and its time follows its bytes.",
+        r > 1, where=where, ridge=r, below=r, recorded=recorded))
+    return made
+
+
+def launch_floor_claim(launch_us: float, ceil: dict):
+    """What one eager op's host cost buys on this device: the bytes a copy would move meanwhile."""
+    kb = launch_us * 1e-6 * ceil["copy_GBps"] * 1e9 / 1e3
+    return claim("Launching one tiny eager op costs {us:.1f} us of host time here; in that time "
+                 "this device copies {kb:,.0f} KB. A kernel that moves less than that waits for "
+                 "its launch, not for memory (notebook 01 measures the whole curve).",
+                 launch_us > 0.5, us=launch_us, kb=kb)
+
+
+def machines_claim(here: dict, recorded) -> object:
+    """On a machine without a GPU: how far the recorded GPU's ceilings are from this one's."""
+    x = recorded.data["copy_GBps"] / here["copy_GBps"]
+    y = recorded.data["matmul_TFLOPs"] / here["matmul_TFLOPs"]
+    return claim("The recorded {gpu} copies {x:,.0f}x and multiplies {y:,.0f}x faster than this "
+                 "machine: which is why GPU timings here come from the recording, labelled.",
+                 x > 1 and y > 1, gpu=recorded.fingerprint["gpu"], x=x, y=y)
+
+
+def recording_agrees_claim(here: dict, recorded):
+    """On the GPU a recording came from: today's ceilings against the recorded ones, so a GPU
+    that is throttled or shared shows up before its figures are compared with anything."""
+    copy = here["copy_GBps"] / recorded.data["copy_GBps"]
+    mm = here["matmul_TFLOPs"] / recorded.data["matmul_TFLOPs"]
+    return claim("Today's ceilings on this {gpu} are {copy:.0%} (copy) and {mm:.0%} (matmul) of "
+                 "the recorded ones: the machine runs as it did when the lab's figures were "
+                 "recorded.", 0.85 < copy < 1.15 and 0.8 < mm < 1.25, gpu=recorded.fingerprint["gpu"],
+                 copy=copy, mm=mm)

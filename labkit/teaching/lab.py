@@ -11,9 +11,11 @@ from labkit.tools import recorded
 def start(device: str = "auto") -> torch.device:
     """Pick the device, make plotly figures light (no plotly.js copy per output), say where we
     are, and start the notebook's list of claims afresh (a rerun does not count them twice)."""
+    import pandas as pd
     import plotly.io as pio
 
     pio.renderers.default = "plotly_mimetype"
+    pd.set_option("display.max_colwidth", None)  # a table's text is read whole, not cut at 50
     reset_claims()
     dev = select_device(device)
     print(describe())

@@ -1,0 +1,69 @@
+"""Notebook 00's lesson: the sequence and concept maps, the ceilings beside the datasheet, and
+claims that fail when their numbers are perturbed."""
+import pytest
+import torch
+
+from labkit.lessons import tour
+from labkit.teaching import reset_claims
+from labkit.tools import recorded
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    reset_claims()
+    yield
+    reset_claims()
+
+
+@pytest.fixture
+def h200():
+    return recorded.load("tour")
+
+
+def test_the_sequence_lists_the_notebooks_that_exist_without_a_leftover_column():
+    table = tour.sequence_table(torch.device("cpu"))
+    assert list(table.notebook[:2]) == ["00_tour", "01_launch_overhead"] and len(table) >= 10
+    assert "here" not in table.columns
+
+
+def test_every_concept_names_where_it_is_shown():
+    concepts = tour.concept_map()
+    assert len(concepts) == 26 and concepts.notebook.str.len().min() > 0
+
+
+def test_the_recorded_ceilings_hold_their_claims_against_the_datasheet(h200):
+    made = tour.ceiling_claims(h200.data, h200.fingerprint["gpu"], recorded=h200)
+    assert len(made) == 3 and all(c.held for c in made)
+    assert "checked" not in made[0].text and h200.label == made[0].source
+
+
+@pytest.mark.parametrize("key,factor,which", [("copy_GBps", 1.3, 0), ("copy_GBps", 0.4, 0),
+                                              ("matmul_TFLOPs", 0.3, 1), ("matmul_TFLOPs", 1.3, 1)])
+def test_a_ceiling_claim_fails_when_its_number_leaves_the_plausible_range(h200, key, factor, which):
+    perturbed = dict(h200.data, **{key: h200.data[key] * factor})
+    assert not tour.ceiling_claims(perturbed, "NVIDIA H200", recorded=h200)[which].held
+
+
+def test_the_ridge_is_the_matmul_rate_over_the_copy_rate():
+    assert tour.ridge({"matmul_TFLOPs": 100.0, "copy_GBps": 1000.0}) == pytest.approx(100.0)
+    assert not tour.ceiling_claims({"matmul_TFLOPs": 0.5, "copy_GBps": 1000.0, "matmul_dtype": "x"},
+                                   None)[0].held, "a ridge below 1 FLOP/B: decode is not memory-bound"
+
+
+def test_the_machine_comparison_fails_with_the_machines_swapped(h200):
+    cpu = {"copy_GBps": 10.0, "matmul_TFLOPs": 0.1}
+    assert tour.machines_claim(cpu, h200).held
+    swapped = type(h200)(h200.name, {"copy_GBps": 1.0, "matmul_TFLOPs": 0.01}, h200.fingerprint,
+                         h200.date, h200.command)
+    assert not tour.machines_claim(cpu, swapped).held
+
+
+def test_todays_ceilings_must_agree_with_the_recording(h200):
+    assert tour.recording_agrees_claim(dict(h200.data), h200).held
+    slow = dict(h200.data, copy_GBps=h200.data["copy_GBps"] * 0.5)
+    assert not tour.recording_agrees_claim(slow, h200).held
+
+
+def test_a_launch_floor_below_half_a_microsecond_is_not_believed():
+    ceil = {"copy_GBps": 4000.0}
+    assert tour.launch_floor_claim(7.0, ceil).held and not tour.launch_floor_claim(0.1, ceil).held
