@@ -58,6 +58,23 @@ def store_kv_kernel(
 
 
 def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    """The shapes, dtypes and devices (free: no tensor value is read)."""
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap it "
+                            "with torch.tensor(..., device=the cache's device)")
+    for name, t in (("key", key), ("value", value)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (the layer's K/V "
+                            f"projection), got {t.dtype}")
+    devices = {name: t.device for name, t in (("key", key), ("value", value),
+               ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping),
+               ("k_scale", k_scale), ("v_scale", v_scale)) if t is not None}
+    if len(set(devices.values())) != 1:
+        where = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"store_kv's tensors must all be on the cache's device, got {where}: "
+                         "move them there with .to(k_cache.device)")
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
@@ -86,14 +103,48 @@ def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     return fp8
 
 
+def _check_slots(slot_mapping: torch.Tensor, k_cache: torch.Tensor, check: bool) -> None:
+    """Every slot in [-1, num_blocks * block_size) and no slot twice (-1 aside), before anything
+    is written: the kernel would write a slot past the end into the next layer's cache, or
+    outside the tensor, and two tokens in one slot race.
+
+    Reading the slots costs one host sync, so it is skipped with ``check=False`` and while a
+    CUDA Graph is being captured (a sync there is illegal; the capture's slots come from the
+    caller, who checked or built them)."""
+    if not check or slot_mapping.numel() == 0:
+        return
+    if slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    ordered = slot_mapping.long().sort().values
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    lo, hi, twice = torch.stack([ordered[0], ordered[-1], repeated.any().long()]).tolist()
+    if lo < -1 or hi >= capacity:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"slot_mapping holds slot {bad}, outside [-1, {capacity}): the cache has "
+                         f"{k_cache.shape[0]} blocks x {k_cache.shape[1]} slots (-1 marks a "
+                         "padding token, never written); take slots from the block manager's "
+                         "block table, or make the cache larger. Nothing was written")
+    if twice:
+        slot = int(ordered[1:][repeated][0])
+        raise ValueError(f"slot_mapping gives slot {slot} to more than one token: each token "
+                         "needs its own slot (two writes to one slot race). Nothing was written")
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+             check: bool = True) -> None:
     """Scatter ``key``/``value`` [num_tokens, H, D] into the caches at ``slot_mapping`` (in place).
 
-    Slots must be distinct (two tokens never share a slot) and below num_blocks * block_size.
+    Slots must be distinct (two tokens never share a slot) and in [-1, num_blocks * block_size);
+    -1 is a padding token, not written. ``check=True`` reads the slots to make sure, before
+    anything is written (one host sync on a GPU; skipped while a CUDA Graph is being captured).
+    A caller that builds its slots itself, as the engine's runner does during graph capture,
+    may pass ``check=False``, as ``paged_attention(check=False)`` does.
     """
     fp8 = _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _check_slots(slot_mapping, k_cache, check)
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -119,9 +170,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
-def store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *,
+                 check: bool = True) -> None:
     """The same scatter in plain torch: index the cache as one row per slot."""
     _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _check_slots(slot_mapping, k_cache, check)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     k, v = key[keep], value[keep]
@@ -156,6 +209,7 @@ if __name__ == "__main__":
         print("(Triton's interpreter runs the kernel in Python: its time says nothing of a GPU)")
     moved = 4 * key.numel() * key.element_size()  # read k, v; write k, v
     for name, fn in (("triton", store_kv), ("torch ", store_kv_ref)):
-        t = measure(lambda: fn(key, value, caches[0], caches[1], slots), device=device,
+        # check=False: the calls above checked these slots; time the scatter, not the host sync
+        t = measure(lambda: fn(key, value, caches[0], caches[1], slots, check=False), device=device,
                     warmup=2, repeats=5 if interpreter_on() else 50)
         print(f"{name} {t}  {gbps(moved, t):8.2f} GB/s")

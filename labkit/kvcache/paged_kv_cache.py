@@ -12,7 +12,9 @@ With ``dtype=torch.float8_e4m3fn`` each layer also has float32 ``k_scale, v_scal
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from operator import index
 
 import torch
 
@@ -47,14 +49,29 @@ class KVCacheShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
+def _count(name: str, value, hint: str) -> int:
+    """``value`` as an int >= 0 (bools refused), or an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int ({hint}), got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 ({hint}), got {value}")
+    return value
+
+
 def kv_cache_bytes(shape: KVCacheShape, num_tokens: int) -> int:
     """Bytes to hold ``num_tokens`` tokens, scales included."""
+    _count("num_tokens", num_tokens, "tokens to hold")
     scales = 2 * shape.num_layers * shape.num_kv_heads * 4 if shape.fp8 else 0
     return shape.bytes_per_token * num_tokens + scales
 
 
 def tokens_that_fit(shape: KVCacheShape, memory_bytes: int, block_size: int = 16) -> int:
     """How many tokens (whole blocks) a memory budget holds."""
+    check_power_of_two("block_size", block_size, hint="tokens a block holds; 16 is usual")
+    if (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float))
+            or not math.isfinite(memory_bytes)):
+        raise TypeError(f"memory_bytes must be a finite number of bytes, got {memory_bytes!r}")
+    memory_bytes = int(memory_bytes)
     per_block = shape.bytes_per_token * block_size
     return (max(0, memory_bytes - kv_cache_bytes(shape, 0)) // per_block) * block_size
 
@@ -106,48 +123,126 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    # ------------------------------------------------------------------ checks
+    # Python indexing would wrap -1 to the last layer or block: a learner's off-by-one would
+    # read or write someone else's KV instead of failing.
+    def _layer(self, layer) -> int:
+        num_layers = self.shape.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int in [0, {num_layers}), got "
+                            f"{type(layer).__name__} {layer!r}")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {num_layers}): this cache has "
+                             f"{num_layers} layers")
+        return layer
+
+    def _block_ids(self, name: str, blocks) -> list[int]:
+        """Block ids as ints in [0, num_blocks): a list, tuple or 1-D int tensor."""
+        if isinstance(blocks, torch.Tensor):
+            if blocks.dim() != 1 or blocks.is_floating_point() or blocks.dtype == torch.bool:
+                raise TypeError(f"{name} must be a list of block ids (ints), got a "
+                                f"{blocks.dtype} tensor of shape {tuple(blocks.shape)}")
+            blocks = blocks.tolist()
+        if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+            raise TypeError(f"{name} must be a list of block ids (ints), got "
+                            f"{type(blocks).__name__}")
+        out = []
+        for i, b in enumerate(blocks):
+            try:
+                if isinstance(b, bool):
+                    raise TypeError
+                b = index(b)
+            except TypeError:
+                raise TypeError(f"{name}[{i}] must be a block id (an int), got "
+                                f"{type(b).__name__} {b!r}") from None
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"{name}[{i}] is block {b}, outside [0, {self.num_blocks}): "
+                                 f"this cache has {self.num_blocks} blocks")
+            out.append(b)
+        return out
+
+    # ------------------------------------------------------------------ views
     def key_cache(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, num_kv_heads, head_dim], a view."""
-        return self.kv[layer, 0]
+        return self.kv[self._layer(layer), 0]
 
     def value_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1]
+        return self.kv[self._layer(layer), 1]
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        layer = self._layer(layer)
         if self.k_scale is None:
             return None, None
         return self.k_scale[layer], self.v_scale[layer]
 
     def set_scales(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Per-head fp8 scales from sample keys/values [num_tokens, H, D]: max |x| maps to 448."""
+        """Per-head fp8 scales from sample keys/values [num_tokens, H, D]: max |x| maps to 448.
+
+        Both samples are checked before either scale changes: a NaN or inf would make a NaN
+        scale, and every value read back through it NaN."""
         if not self.shape.fp8:
             raise ValueError(f"scales are for an fp8 cache; this cache is {self.shape.dtype}")
-        for scale, x in ((self.k_scale, key), (self.v_scale, value)):
-            amax = x.detach().float().abs().amax(dim=(0, 2)).clamp_min(1e-6)
-            scale[layer] = amax / FP8_E4M3_MAX
+        layer = self._layer(layer)
+        heads, dim = self.shape.num_kv_heads, self.shape.head_dim
+        amaxes = []
+        for name, x in (("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+                raise TypeError(f"set_scales: {name} must be a floating-point tensor "
+                                f"[num_tokens, {heads}, {dim}], got {what}")
+            if x.dim() != 3 or tuple(x.shape[1:]) != (heads, dim) or x.shape[0] == 0:
+                raise ValueError(f"set_scales: {name} must be [num_tokens >= 1, {heads}, {dim}] "
+                                 f"(sample tokens of layer {layer}), got {tuple(x.shape)}")
+            amax = x.detach().float().abs().amax(dim=(0, 2))
+            finite = torch.isfinite(amax)
+            if not bool(finite.all()):
+                head = int((~finite).nonzero()[0])
+                raise ValueError(f"set_scales: the {name} sample of layer {layer}, head {head} "
+                                 f"holds NaN or inf (max |x| = {float(amax[head])}); the scale "
+                                 "would be too. Calibrate on finite activations")
+            amaxes.append(amax.clamp_min(1e-6).to(self.k_scale.device))
+        self.k_scale[layer] = amaxes[0] / FP8_E4M3_MAX
+        self.v_scale[layer] = amaxes[1] / FP8_E4M3_MAX
 
+    # ------------------------------------------------------------------ operations
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-              slot_mapping: torch.Tensor, *, use_kernel: bool = True) -> None:
-        """key, value: [num_tokens, num_kv_heads, head_dim] into slot_mapping [num_tokens]."""
+              slot_mapping: torch.Tensor, *, use_kernel: bool = True, check: bool = True) -> None:
+        """key, value: [num_tokens, num_kv_heads, head_dim] into slot_mapping [num_tokens].
+
+        ``check``: as for ``store_kv``, slots outside [-1, num_blocks * block_size) or given
+        twice are refused before anything is written (one host sync on a GPU, skipped during
+        graph capture); a caller that builds its slots itself may pass ``check=False``."""
         fn = store_kv if use_kernel else store_kv_ref
         fn(key, value, self.key_cache(layer), self.value_cache(layer), slot_mapping,
-           *self.scales(layer))
+           *self.scales(layer), check=check)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply the block manager's copy-on-write (src, dst) pairs, every layer, K and V."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.kv.device)
-        dst = torch.tensor([d for _, d in copies], device=self.kv.device)
-        if len(set(dst.tolist())) != len(copies) or set(dst.tolist()) & set(src.tolist()):
+        try:
+            pairs = [tuple(c) for c in copies]
+        except TypeError:
+            raise TypeError(f"copies must be a list of (src, dst) block pairs, got {copies!r}") \
+                from None
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"copies must be (src, dst) block pairs, got {copies!r}")
+        src = self._block_ids("copy_blocks src", [s for s, _ in pairs])
+        dst = self._block_ids("copy_blocks dst", [d for _, d in pairs])
+        if len(set(dst)) != len(dst) or set(dst) & set(src):
             raise ValueError(f"copy_blocks needs distinct destinations that are not sources, "
                              f"got {copies}")
+        src = torch.tensor(src, device=self.kv.device)
+        dst = torch.tensor(dst, device=self.kv.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
 
     def gather(self, layer: int, block_table: list[int], num_tokens: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's keys and values [num_tokens, H, D], read back in order (dequantised to
         float32 for fp8): the reference read path that tests and attention references use."""
+        layer = self._layer(layer)
+        block_table = self._block_ids("block_table", block_table)
+        _count("num_tokens", num_tokens, "tokens to read back")
         if num_tokens > len(block_table) * self.block_size:
             raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // self.block_size)} "
                              f"blocks, the block table has {len(block_table)}")
