@@ -216,3 +216,104 @@ def test_a_memory_budget_may_be_written_as_a_float():
     shape = KVCacheShape(2, 2, 16, torch.float16)
     assert tokens_that_fit(shape, 1e6) == tokens_that_fit(shape, 10**6)
     assert PagedKVCache.for_memory(shape, 1e6).num_blocks == tokens_that_fit(shape, 10**6) // 16
+
+
+# ---------------------------------------------------------------- the block manager
+@pytest.mark.parametrize("caching", [True, False], ids=["caching on", "caching off"])
+@pytest.mark.parametrize("tokens, error, match", [
+    (["a", "b"], TypeError, r"token_ids\[0\] is str 'a'"),
+    ([1, 2.5], TypeError, r"token_ids\[1\] is float 2.5"),
+    ([1, True], TypeError, r"token_ids\[1\] is a bool"),
+    ([2**64], ValueError, r"in \[-2\*\*63, 2\*\*63\): token_ids\[0\] is 18446744073709551616"),
+    ("hello", TypeError, "token_ids must be a list of ints, got str"),
+    (None, TypeError, "token_ids must be a list of ints, got NoneType"),
+    (iter([1, 2]), TypeError, "token_ids must be a list of ints")],
+    ids=["str", "float", "bool", "too big", "a string", "None", "an iterator"])
+def test_bad_token_ids_are_refused_the_same_way_with_caching_on_or_off(caching, tokens, error,
+                                                                        match):
+    bm = BlockManager(8, 4, enable_prefix_caching=caching)
+    bm.allocate("x", [1, 2, 3, 4, 5])
+    before = bm.snapshot()
+    for call in (lambda: bm.allocate("s", tokens), lambda: bm.can_allocate(tokens),
+                 lambda: bm.cached_prefix_len(tokens)):
+        with pytest.raises(error, match=match):
+            call()
+    assert bm.snapshot() == before
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching on", "caching off"])
+@pytest.mark.parametrize("token", ["x", 1.5, True])
+def test_a_bad_appended_or_set_token_is_refused_with_caching_on_or_off(caching, token):
+    bm = BlockManager(8, 4, enable_prefix_caching=caching)
+    bm.allocate("a", [1, 2, 3])
+    before = bm.snapshot()
+    with pytest.raises(TypeError, match="token ids must be ints.*token_id is"):
+        bm.append_token("a", token)
+    assert bm.snapshot() == before
+    bm.append_token("a", None)
+    before = bm.snapshot()
+    with pytest.raises(TypeError, match="token ids must be ints.*token_id is"):
+        bm.set_token("a", token)
+    assert bm.snapshot() == before and bm.has_pending("a")
+
+
+@pytest.mark.parametrize("block", [-1, 8, 10**6])
+def test_block_ids_outside_the_manager_are_refused(block):
+    bm = BlockManager(8, 4)
+    bm.allocate("a", list(range(30)))   # block 7, the one -1 would wrap to, is in use
+    for call in (bm.ref_count, bm.is_cached):
+        with pytest.raises(ValueError, match=rf"block {block} is outside \[0, 8\)"):
+            call(block)
+    with pytest.raises(TypeError, match="block must be an int"):
+        bm.ref_count(1.0)
+
+
+def test_block_manager_options_must_be_what_they_say():
+    with pytest.raises(TypeError, match="enable_prefix_caching must be True or False, got 'no'"):
+        BlockManager(8, 4, enable_prefix_caching="no")    # bool("no") would switch it on
+    with pytest.raises(TypeError, match="hash_fn must be a function"):
+        BlockManager(8, 4, hash_fn=None)
+
+
+def test_slots_refuses_positions_that_are_not_ints():
+    bm = BlockManager(8, 4)
+    bm.allocate("a", [1, 2, 3])
+    with pytest.raises(TypeError, match="start must be an int token position, got float"):
+        bm.slots("a", 0.5, 2)
+
+
+# ---------------------------------------------------------------- the prefix cache
+@pytest.mark.parametrize("block", [-1, 4])
+def test_registering_a_block_outside_the_cache_changes_nothing(block):
+    cache = PrefixCache(4)
+    before = cache.snapshot()
+    with pytest.raises(ValueError, match=rf"block {block} is outside \[0, 4\)"):
+        cache.register(block, b"h", (b"", b""))
+    assert cache.snapshot() == before
+    assert cache.lookup(b"h", (b"", b"")) is None
+
+
+def test_a_registered_block_cannot_be_registered_again_under_another_hash():
+    cache = PrefixCache(4)
+    cache.register(0, b"a", (b"", b"1"))
+    before = cache.snapshot()
+    with pytest.raises(ValueError, match="block 0 is already registered"):
+        cache.register(0, b"b", (b"", b"2"))
+    assert cache.snapshot() == before
+
+
+def test_only_registered_blocks_can_be_parked_and_only_parked_ones_revived_or_evicted():
+    cache = PrefixCache(4)
+    with pytest.raises(ValueError, match=r"park\(1\): the block is not registered"):
+        cache.park(1)
+    with pytest.raises(ValueError, match=r"revive\(2\): the block is not evictable"):
+        cache.revive(2)
+    with pytest.raises(ValueError, match="no block is evictable"):
+        cache.evict()
+    assert cache.snapshot() == PrefixCache(4).snapshot()
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, 2.0])
+def test_a_prefix_cache_needs_a_positive_block_count(num_blocks):
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        PrefixCache(num_blocks)

@@ -29,6 +29,38 @@ from labkit.kvcache.prefix_cache import (
 )
 
 
+TOKEN_IDS = "token ids must be ints (a tokenizer's output)"
+
+
+def _token_id(token_id, where: str) -> int:
+    """One token id as an int; the same refusal with prefix caching on or off."""
+    if isinstance(token_id, bool):
+        raise TypeError(f"{TOKEN_IDS}: {where} is a bool ({token_id}); pass the id itself")
+    try:
+        token_id = index(token_id)
+    except TypeError:
+        raise TypeError(f"{TOKEN_IDS}: {where} is {type(token_id).__name__} {token_id!r}") \
+            from None
+    if not -2**63 <= token_id < 2**63:
+        raise ValueError(f"{TOKEN_IDS} in [-2**63, 2**63): {where} is {token_id}")
+    return token_id
+
+
+def _token_bytes(token_ids) -> bytes:
+    """A prompt's token ids packed as int64, or the error that names the first bad one."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}: "
+                        "pass list(...) of the tokenizer's ids")
+    try:
+        if any(t.__class__ is bool for t in token_ids):
+            raise TypeError
+        return array("q", token_ids).tobytes()
+    except (TypeError, OverflowError):
+        for i, t in enumerate(token_ids):
+            _token_id(t, f"token_ids[{i}]")
+        raise
+
+
 class OutOfBlocks(RuntimeError):
     """Not enough free or evictable blocks; nothing was changed."""
 
@@ -73,9 +105,15 @@ class BlockManager:
                  hash_fn: HashFn = block_hash):
         check_positive_int("num_blocks", num_blocks, hint="KV blocks in the cache")
         check_power_of_two("block_size", block_size, hint="tokens a block holds; 16 is usual")
+        if not isinstance(enable_prefix_caching, bool):  # bool("no") is True
+            raise TypeError(f"enable_prefix_caching must be True or False, got "
+                            f"{enable_prefix_caching!r}")
+        if not callable(hash_fn):
+            raise TypeError(f"hash_fn must be a function (parent_hash, token_bytes) -> bytes, "
+                            f"got {hash_fn!r}; leave it out for block_hash")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = hash_fn
         self._mask = block_size - 1
         self._ref = [0] * num_blocks
@@ -112,11 +150,11 @@ class BlockManager:
         return self._get(seq_id).num_tokens
 
     def ref_count(self, block: int) -> int:
-        return self._ref[block]
+        return self._ref[self._block(block)]
 
     def is_cached(self, block: int) -> bool:
         """Registered in the prefix cache (findable by hash), whether in use or evictable."""
-        return self._prefix.is_registered(block)
+        return self._prefix.is_registered(self._block(block))
 
     def evictable_blocks(self) -> list[int]:
         """Cached blocks no sequence holds, next to be evicted first."""
@@ -125,6 +163,10 @@ class BlockManager:
     def slots(self, seq_id, start: int, end: int) -> list[int]:
         """slot_mapping entries of token positions ``[start, end)`` of a sequence."""
         seq = self._get(seq_id)
+        for name, p in (("start", start), ("end", end)):
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise TypeError(f"slots: {name} must be an int token position, got "
+                                f"{type(p).__name__} {p!r}")
         if not 0 <= start <= end <= seq.num_tokens:
             raise ValueError(f"positions [{start}, {end}) are outside sequence {seq_id!r} "
                              f"of {seq.num_tokens} tokens")
@@ -158,10 +200,10 @@ class BlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated; free it first or use a "
                              "new seq_id")
-        if len(token_ids) == 0:
-            raise ValueError(f"allocate({seq_id!r}) got no tokens: a prompt needs at least one")
         extra = extra_key_bytes(extra_key)
         hits, hashes, chunks = self._match(token_ids, extra)
+        if len(token_ids) == 0:
+            raise ValueError(f"allocate({seq_id!r}) got no tokens: a prompt needs at least one")
         n = len(token_ids)
         need = self._blocks_to_allocate(n, hits)
         available = self._available_after(hits)
@@ -204,8 +246,8 @@ class BlockManager:
         if seq.pending:
             raise ValueError(f"append_token({seq_id!r}): its last token is still pending; call "
                              "set_token with the sampled id first")
-        if self.enable_prefix_caching and token_id is not None:
-            token_id = index(token_id)  # a bad token fails here, before anything changes
+        if token_id is not None:
+            token_id = _token_id(token_id, "token_id")  # fails here, before anything changes
         pos = seq.num_tokens & self._mask
         copies = []
         try:
@@ -236,8 +278,8 @@ class BlockManager:
         if not seq.pending:
             raise ValueError(f"set_token({seq_id!r}): no pending token; append_token(seq_id, None) "
                              "reserves one")
+        token_id = _token_id(token_id, "token_id")
         if self.enable_prefix_caching:
-            token_id = index(token_id)
             seq.tail[-1] = token_id
             if seq.num_tokens & self._mask == 0:  # the pending token filled its block
                 self._seal(seq)
@@ -279,6 +321,16 @@ class BlockManager:
                     self._free.append(b)
 
     # ------------------------------------------------------------------ internals
+    def _block(self, block) -> int:
+        """A block id in [0, num_blocks): list indexing would wrap -1 to the last block."""
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise TypeError(f"block must be an int block id, got {type(block).__name__} "
+                            f"{block!r}")
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is outside [0, {self.num_blocks}): this manager "
+                             f"has {self.num_blocks} blocks")
+        return block
+
     def _get(self, seq_id) -> _Sequence:
         seq = self._seqs.get(seq_id)
         if seq is None:
@@ -315,14 +367,12 @@ class BlockManager:
 
     def _match(self, token_ids, extra: bytes) -> tuple[list[int], list[bytes], list[bytes]]:
         """Confirmed cache hits for a prompt's leading full blocks, with every full block's hash
-        and token bytes (needed to register the new ones)."""
+        and token bytes (needed to register the new ones). Bad token ids are refused here,
+        with prefix caching on or off."""
+        buf = _token_bytes(token_ids)
         if not self.enable_prefix_caching:
             return [], [], []
         bs8 = self.block_size * 8
-        try:
-            buf = array("q", token_ids).tobytes()
-        except (TypeError, OverflowError) as e:
-            raise ValueError(f"token ids must be ints in [-2**63, 2**63): {e}") from None
         num_full = len(token_ids) // self.block_size
         lookups = (len(token_ids) - 1) // self.block_size  # leave >= 1 token to compute
         hits, hashes, chunks = [], [], []

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from hashlib import blake2b
 from typing import Callable, Hashable
 
+from labkit import check_positive_int
+
 HashFn = Callable[[bytes, bytes], bytes]
 BlockKey = tuple  # (link, token_bytes); link is bytes (extra key) or (parent_block, generation)
 
@@ -49,6 +51,8 @@ class PrefixCache:
     """
 
     def __init__(self, num_blocks: int):
+        self.num_blocks = check_positive_int("num_blocks", num_blocks,
+                                             hint="KV blocks in the cache")
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._key_of: list[BlockKey | None] = [None] * num_blocks
@@ -61,8 +65,22 @@ class PrefixCache:
             return None
         return block
 
+    def _block(self, block) -> int:
+        """A block id in [0, num_blocks): list indexing would wrap -1 to the last block."""
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise TypeError(f"block must be an int block id, got {type(block).__name__} "
+                            f"{block!r}")
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is outside [0, {self.num_blocks}): this cache has "
+                             f"{self.num_blocks} blocks")
+        return block
+
     def register(self, block: int, h: bytes, key: BlockKey) -> bool:
         """Make a just-filled block findable. The first block with a hash keeps it."""
+        self._block(block)
+        if self._hash_of[block] is not None:  # a second hash would leave the first one stale
+            raise ValueError(f"block {block} is already registered; evict or forget it before "
+                             "registering new contents")
         if h in self._by_hash:
             return False
         self._by_hash[h] = block
@@ -71,24 +89,33 @@ class PrefixCache:
         return True
 
     def is_registered(self, block: int) -> bool:
-        return self._hash_of[block] is not None
+        return self._hash_of[self._block(block)] is not None
 
     def hash_of(self, block: int) -> bytes | None:
-        return self._hash_of[block]
+        return self._hash_of[self._block(block)]
 
     def park(self, block: int) -> None:
         """The last holder let go: keep the contents, evictable, most recently released last."""
+        if not self.is_registered(block):  # evict() could not unregister it later
+            raise ValueError(f"park({block}): the block is not registered; only registered "
+                             "blocks wait to be hit again (free an unregistered one instead)")
         self._evictable[block] = None
 
     def revive(self, block: int) -> None:
         """A hit on an evictable block: it is in use again."""
+        if not self.is_evictable(block):
+            raise ValueError(f"revive({block}): the block is not evictable (no park() since it "
+                             "was last in use)")
         del self._evictable[block]
 
     def is_evictable(self, block: int) -> bool:
-        return block in self._evictable
+        return self._block(block) in self._evictable
 
     def evict(self) -> int:
         """Forget the least recently released block and hand it back for new contents."""
+        if not self._evictable:
+            raise ValueError("evict(): no block is evictable (every registered block is in "
+                             "use); check num_evictable() first")
         block, _ = self._evictable.popitem(last=False)
         h = self._hash_of[block]
         del self._by_hash[h]
@@ -99,7 +126,7 @@ class PrefixCache:
     def forget(self, block: int) -> None:
         """Unregister a block no sequence holds whose contents cannot be trusted (the step that
         was to write them failed); the block manager frees it."""
-        self._evictable.pop(block, None)
+        self._evictable.pop(self._block(block), None)
         h = self._hash_of[block]
         if h is not None:
             del self._by_hash[h]
