@@ -57,6 +57,57 @@ def test_an_empty_trace_is_an_error():
         plan_buckets([])
 
 
+@pytest.mark.parametrize("entry, error, match", [
+    (float("nan"), TypeError, "got float nan"),      # was planned as a bucket of its own
+    (2.5, TypeError, "got float 2.5"),
+    (True, TypeError, "got bool True"),
+    ("a", TypeError, "got str 'a'"),
+    (0, ValueError, "got 0"), (-3, ValueError, "got -3")],
+    ids=["nan", "float", "bool", "str", "zero", "negative"])
+def test_every_observed_batch_size_must_be_a_positive_int(entry, error, match):
+    for call in (lambda: plan_buckets([3, entry, 4], 2), lambda: padding_waste([3, entry], [4])):
+        with pytest.raises(error, match=rf"batch_sizes\[1\] must be a positive int, {match}"):
+            call()
+
+
+@pytest.mark.parametrize("buckets, error, match", [
+    ([0, 2], ValueError, r"buckets\[0\] must be a positive int, got 0"),
+    ([2.5], TypeError, r"buckets\[0\] must be a positive int, got float 2.5"),
+    (["a"], TypeError, r"buckets\[0\] .* got str 'a'")])
+def test_the_buckets_to_score_must_be_positive_ints(buckets, error, match):
+    with pytest.raises(error, match=match):
+        padding_waste([1, 2], buckets)
+
+
+def test_no_buckets_at_all_means_every_batch_runs_eagerly():
+    plan = padding_waste([1, 2, 2], [])
+    assert (plan.eager_calls, plan.padded_rows) == (3, 0)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_graphs=1.5), TypeError, "max_graphs must be a positive int, got float"),
+    (dict(max_graphs=True), TypeError, "max_graphs must be a positive int, got bool"),
+    (dict(max_graphs="2"), TypeError, "max_graphs must be a positive int, got str"),
+    (dict(memory_budget=float("nan"), bytes_per_graph=1), TypeError, "memory_budget must be a "
+     "finite number"),
+    (dict(memory_budget=float("inf"), bytes_per_graph=1), TypeError, "memory_budget"),
+    (dict(memory_budget=100, bytes_per_graph=-1), ValueError, "bytes_per_graph must be >= 0"),
+    (dict(memory_budget=100, bytes_per_graph=1, bytes_per_row=float("nan")), TypeError,
+     "bytes_per_row")], ids=["float graphs", "bool graphs", "str graphs", "nan budget",
+                             "inf budget", "negative per graph", "nan per row"])
+def test_plan_options_must_be_counts_and_finite_byte_sizes(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        plan_buckets([1, 2, 3, 4], **kwargs)
+
+
+@pytest.mark.timeout(10)   # a NaN used to loop forever
+@pytest.mark.parametrize("largest, error", [(float("nan"), TypeError), (float("inf"), TypeError),
+                                            (2.5, TypeError), (0, ValueError), (-5, ValueError)])
+def test_powers_of_two_needs_a_positive_int_and_never_loops_forever(largest, error):
+    with pytest.raises(error, match="largest must be a positive int"):
+        powers_of_two(largest)
+
+
 def test_padding_by_bucket_adds_up_to_the_total():
     from labkit.graphs.bucket_planner import padding_by_bucket
 

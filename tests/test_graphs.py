@@ -34,6 +34,63 @@ def test_buckets_must_be_positive():
         GraphPool(rowwise, buckets=(0, 4), enabled=False)
 
 
+@pytest.mark.parametrize("name", ["buckets", "context_buckets"])
+@pytest.mark.parametrize("entry, error, match", [
+    (2.7, TypeError, "must be a positive int, got float 2.7"),   # int() would make it 2
+    ("a", TypeError, "must be a positive int, got str 'a'"),
+    ("4", TypeError, "must be a positive int, got str '4'"),
+    (True, TypeError, "must be a positive int, got bool True"),
+    (0, ValueError, "must be a positive int, got 0"),
+    (-8, ValueError, "must be a positive int, got -8")], ids=["float", "str", "digit str", "bool", "zero", "negative"])
+def test_bucket_entries_must_be_positive_ints_and_the_error_names_the_entry(name, entry, error,
+                                                                            match):
+    kwargs = {"buckets": [1, 2], "context_buckets": [16, 64]}
+    kwargs[name] = [1, entry] if name == "buckets" else [16, entry]
+    with pytest.raises(error, match=rf"{name}\[1\] {match}"):
+        GraphPool(rowwise, enabled=False, **kwargs)
+
+
+@pytest.mark.parametrize("buckets, error, match", [
+    (8, TypeError, "buckets must be a list of batch sizes.*got int 8"),
+    ("124", TypeError, "buckets must be a list"),
+    ([], ValueError, "buckets is empty")])
+def test_buckets_must_be_a_non_empty_list(buckets, error, match):
+    with pytest.raises(error, match=match):
+        GraphPool(rowwise, buckets=buckets, enabled=False)
+
+
+def test_repeated_buckets_are_one_bucket():
+    assert GraphPool(rowwise, buckets=[4, 1, 4], enabled=False).buckets == [1, 4]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(warmup=-1), ValueError, "warmup must be an int >= 0, got -1"),
+    (dict(warmup=1.5), TypeError, "warmup must be an int >= 0, got float"),
+    (dict(pad_value="x"), TypeError, "pad_value must be a number"),
+    (dict(fn=None), TypeError, "fn must be the function to capture")])
+def test_pool_options_are_checked_when_the_pool_is_made(kwargs, error, match):
+    kwargs = {"fn": rowwise, **kwargs}
+    with pytest.raises(error, match=match):
+        GraphPool(kwargs.pop("fn"), buckets=(1, 2), enabled=False, **kwargs)
+
+
+@pytest.mark.parametrize("batch, context, error, match", [
+    (-3, 16, ValueError, "batch must be an int >= 0, got -3"),    # was bucket 1
+    (1.5, 16, TypeError, "batch must be an int >= 0, got float"),  # was bucket 2
+    (1, None, ValueError, "context="),
+    (1, -5, ValueError, "context must be an int >= 0")])
+def test_key_for_refuses_sizes_that_are_no_batch_or_context(batch, context, error, match):
+    pool = GraphPool(rowwise, buckets=(1, 2, 4), context_buckets=(16, 64), enabled=False)
+    with pytest.raises(error, match=match):
+        pool.key_for(batch, context)
+
+
+def test_bucket_for_with_no_buckets_says_so():
+    with pytest.raises(ValueError, match="no buckets to put batch 3 in"):
+        bucket_for(3, [])
+    assert bucket_for(3, [], default=None) is None
+
+
 def test_context_must_be_passed_exactly_when_the_pool_has_context_buckets():
     pool = GraphPool(lambda x, context_bucket: x, buckets=(2,), context_buckets=(16,), enabled=False)
     with pytest.raises(ValueError, match="context="):

@@ -8,11 +8,12 @@ optimal bucket always sits on an observed size, else it could shrink and waste l
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from labkit.graphs.buckets import bucket_for
+from labkit.graphs.buckets import bucket_for, check_buckets, check_size
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,12 @@ class BucketPlan:
 
 
 def padding_waste(batch_sizes: Iterable[int], buckets: Sequence[int]) -> BucketPlan:
-    """What a given bucket list wastes on a batch-size trace (too-large batches run eager)."""
-    buckets = tuple(sorted(set(buckets)))
+    """What a given bucket list wastes on a batch-size trace (too-large batches run eager;
+    with no buckets at all, every batch does)."""
+    empty = isinstance(buckets, (list, tuple)) and not buckets
+    buckets = () if empty else tuple(check_buckets("buckets", buckets))
     padded = real = eager = 0
-    for size, count in Counter(batch_sizes).items():
+    for size, count in _check(batch_sizes, allow_empty=True).items():
         bucket = bucket_for(size, buckets, default=None)
         if bucket is None:
             eager += count
@@ -47,12 +50,24 @@ def padding_waste(batch_sizes: Iterable[int], buckets: Sequence[int]) -> BucketP
     return BucketPlan(buckets, padded, real, eager)
 
 
-def _check(batch_sizes: list[int]) -> Counter:
-    if not batch_sizes:
+def _check(batch_sizes: Iterable[int], allow_empty: bool = False) -> Counter:
+    """The trace as counts per size, each size an int >= 1: a NaN or a float would become a
+    bucket of its own, a 0 or a negative size a negative waste."""
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__iter__"):
+        raise TypeError(f"batch_sizes must be a list of observed batch sizes (ints >= 1), got "
+                        f"{type(batch_sizes).__name__}")
+    sizes = [check_size(f"batch_sizes[{i}]", b) for i, b in enumerate(batch_sizes)]
+    if not sizes and not allow_empty:
         raise ValueError("need at least one observed batch size to plan buckets")
-    if min(batch_sizes) < 1:
-        raise ValueError(f"batch sizes must be >= 1, got {min(batch_sizes)}")
-    return Counter(batch_sizes)
+    return Counter(sizes)
+
+
+def _bytes(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number of bytes, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+    return value
 
 
 def plan_buckets(batch_sizes: Iterable[int], max_graphs: int | None = None, *,
@@ -64,12 +79,14 @@ def plan_buckets(batch_sizes: Iterable[int], max_graphs: int | None = None, *,
     Memory model for the budget: ``bytes_per_graph`` for each graph plus ``bytes_per_row``
     times the largest bucket (graphs captured into one shared pool cost about the largest).
     """
-    counts = _check(list(batch_sizes))
+    counts = _check(batch_sizes)
     sizes = sorted(counts)
     m = len(sizes)
-    limit = m if max_graphs is None else max_graphs
-    if limit < 1:
-        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+    limit = m if max_graphs is None else check_size("max_graphs", max_graphs)
+    bytes_per_row = _bytes("bytes_per_row", bytes_per_row)
+    bytes_per_graph = _bytes("bytes_per_graph", bytes_per_graph)
+    if memory_budget is not None:
+        memory_budget = _bytes("memory_budget", memory_budget)
     if memory_budget is not None and bytes_per_graph > 0:
         affordable = int((memory_budget - bytes_per_row * sizes[-1]) // bytes_per_graph)
         if affordable < 1:
@@ -113,6 +130,7 @@ def plan_buckets(batch_sizes: Iterable[int], max_graphs: int | None = None, *,
 
 def powers_of_two(largest: int) -> tuple[int, ...]:
     """The usual naive list: 1, 2, 4, ... up to the first power of two >= ``largest``."""
+    largest = check_size("largest", largest)   # a NaN would never be reached: an endless loop
     out, b = [], 1
     while True:
         out.append(b)
@@ -125,9 +143,9 @@ def padding_by_bucket(batch_sizes: Iterable[int], buckets: Sequence[int]):
     """Per bucket: how many steps it served, their real rows and the rows padded onto them."""
     import pandas as pd
 
-    buckets = tuple(sorted(set(buckets)))
+    buckets = tuple(check_buckets("buckets", buckets))
     rows = {b: {"bucket": b, "steps": 0, "real_rows": 0, "padded_rows": 0} for b in buckets}
-    for size, count in Counter(batch_sizes).items():
+    for size, count in _check(batch_sizes, allow_empty=True).items():
         bucket = bucket_for(size, buckets, default=None)
         if bucket is not None:
             r = rows[bucket]

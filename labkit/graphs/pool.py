@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
-from labkit.graphs.buckets import bucket_for
+from labkit.graphs.buckets import bucket_for, check_buckets, check_size
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -105,13 +105,16 @@ class GraphPool:
     def __init__(self, fn: Callable, buckets: Sequence[int] = DEFAULT_BUCKETS, *,
                  context_buckets: Sequence[int] | None = None, copy_outputs: bool = True,
                  warmup: int = 2, pad_value: float = 0.0, enabled: bool = True):
-        buckets = sorted(set(int(b) for b in buckets))
-        if not buckets or buckets[0] < 1:
-            raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
+        if not callable(fn):
+            raise TypeError(f"fn must be the function to capture, got {type(fn).__name__}")
+        buckets = check_buckets("buckets", buckets)
         if context_buckets is not None:
-            context_buckets = sorted(set(int(c) for c in context_buckets))
-            if not context_buckets or context_buckets[0] < 1:
-                raise ValueError(f"context_buckets must be positive lengths, got {context_buckets}")
+            context_buckets = check_buckets("context_buckets", context_buckets,
+                                            "context lengths")
+        warmup = check_size("warmup", warmup, minimum=0)
+        if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
+            raise TypeError(f"pad_value must be a number (what padding rows are filled with), "
+                            f"got {pad_value!r}")
         self.fn, self.buckets, self.context_buckets = fn, buckets, context_buckets
         self.copy_outputs, self.warmup, self.pad_value = copy_outputs, warmup, pad_value
         self.enabled = enabled and torch.cuda.is_available()
@@ -204,6 +207,11 @@ class GraphPool:
 
     def key_for(self, batch: int, context: int | None = None) -> tuple | None:
         """The smallest captured key that holds this batch (and context), or None."""
+        batch = check_size("batch", batch, minimum=0)
+        if (context is None) != (self.context_buckets is None):
+            raise ValueError("pass context= exactly when the pool has context_buckets")
+        if context is not None:
+            context = check_size("context", context, minimum=0)
         bucket = bucket_for(batch, self.buckets, default=None)
         if bucket is None or self.context_buckets is None:
             return None if bucket is None else (bucket,)
