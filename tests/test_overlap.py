@@ -105,6 +105,55 @@ def test_reserve_rejects_a_negative_size(quiet):
         PinnedStagingPool(device=CPU).reserve(-1)
 
 
+@pytest.mark.parametrize("bad, error", [(1.5, TypeError), ("x", TypeError), (None, TypeError),
+                                        (True, TypeError), (-1, ValueError)])
+def test_byte_sizes_must_be_ints_and_the_error_names_them(quiet, bad, error):
+    with pytest.raises(error, match="min_buffer_bytes must be"):
+        PinnedStagingPool(device=CPU, min_buffer_bytes=bad)
+    with pytest.raises(error, match="nbytes must be"):
+        PinnedStagingPool(device=CPU).reserve(bad)
+
+
+@pytest.mark.parametrize("shape, dtype, error, match", [
+    ((2,), None, TypeError, "dtype must be a torch.dtype.*got None"),   # was float32 silently
+    ((2,), "float32", TypeError, "dtype must be a torch.dtype"),
+    (3, torch.float32, TypeError, r"shape must be a tuple of ints such as \(256,\), got 3"),
+    ((2.5,), torch.float32, TypeError, "shape must be a tuple of ints"),
+    ((4, -1), torch.float32, ValueError, r"shape \(4, -1\) has a negative size")],
+    ids=["no dtype", "str dtype", "int shape", "float shape", "negative shape"])
+def test_stage_refuses_a_bad_shape_or_dtype_and_stages_nothing(quiet, shape, dtype, error, match):
+    pool = PinnedStagingPool(device=CPU)
+    with pytest.raises(error, match=match):
+        pool.stage(shape, dtype)
+    host = pool.stage((2,), torch.int64)   # nothing was left staged by the refused call
+    host.copy_(torch.tensor([5, 6]))
+    assert torch.equal(pool.submit().wait(), torch.tensor([5, 6]))
+    assert pool.stats.copies == 1
+
+
+def test_copy_to_host_refuses_an_out_that_is_not_a_tensor(quiet):
+    with pytest.raises(TypeError, match="out must be a host tensor to copy into.*got list"):
+        copy_to_host(torch.ones(2), out=[0.0, 0.0])
+
+
+@pytest.mark.parametrize("batches, match", [
+    (None, "batches must be an iterable of host batches.*got NoneType"),
+    (5, "got int"),
+    (torch.ones(3, 2), r"batches is one tensor \(3, 2\); pass an iterable of batches")],
+    ids=["None", "int", "one tensor"])
+def test_the_prefetcher_refuses_what_is_not_batches_when_it_is_made(quiet, batches, match):
+    with pytest.raises(TypeError, match=match):
+        Prefetcher(batches, CPU)   # not at the first next(), far from the mistake
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pool=5), "pool must be a PinnedStagingPool.*got int"),
+    (dict(overlap="no"), "overlap must be True or False, got 'no'")])   # 'no' is truthy
+def test_the_prefetcher_refuses_options_of_the_wrong_type(quiet, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        Prefetcher([torch.ones(1)], CPU, **kwargs)
+
+
 def test_the_prefetcher_yields_every_batch_in_order_as_copies(quiet):
     batches = [torch.full((3,), float(i)) for i in range(5)]
     got = list(Prefetcher(batches, CPU))

@@ -72,6 +72,19 @@ class Prefetcher:
 
     def __init__(self, batches: Iterable, device: str | torch.device = "auto", *,
                  overlap: bool = True, pool: PinnedStagingPool | None = None):
+        # Checked here, not at the first next(): the error then points at this line.
+        if isinstance(batches, torch.Tensor):  # iterating it would yield its rows as batches
+            raise TypeError(f"batches is one tensor {tuple(batches.shape)}; pass an iterable of "
+                            "batches: [tensor] for one batch, tensor.split(n) for batches of n "
+                            "rows")
+        if not hasattr(batches, "__iter__"):
+            raise TypeError(f"batches must be an iterable of host batches (a list, a generator), "
+                            f"got {type(batches).__name__}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        if pool is not None and not isinstance(pool, PinnedStagingPool):
+            raise TypeError(f"pool must be a PinnedStagingPool (or None for a new one), got "
+                            f"{type(pool).__name__}")
         self.device = select_device(device)
         if pool is not None and (pool.device.type, pool.device.index or 0) != (
                 self.device.type, self.device.index or 0):

@@ -10,6 +10,9 @@ from labkit.overlap.staging import InFlightCopy, announce_synchronous
 def _check_out(t: torch.Tensor, out: torch.Tensor | None) -> None:
     if out is None:
         return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a host tensor to copy into (or None), got "
+                        f"{type(out).__name__}")
     if out.shape != t.shape or out.dtype != t.dtype:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype} but the tensor to copy is "
                          f"{tuple(t.shape)} {t.dtype}: pass a matching out, or none")

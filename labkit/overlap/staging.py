@@ -96,6 +96,29 @@ class InFlightCopy:
         return self.done is None or self.done.query()
 
 
+def _byte_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__} "
+                        f"{value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+    return value
+
+
+def _shape_and_dtype(shape, dtype) -> torch.Size:
+    """What ``stage`` may hand out: a shape of ints >= 0 and a real dtype (dtype=None would
+    silently mean float32)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
+    try:
+        size = torch.Size(shape)
+    except TypeError:
+        raise TypeError(f"shape must be a tuple of ints such as (256,), got {shape!r}") from None
+    if any(d < 0 for d in size):
+        raise ValueError(f"shape {tuple(size)} has a negative size; sizes must be >= 0")
+    return size
+
+
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
     return shape.numel() * torch.empty((), dtype=dtype).element_size()
 
@@ -119,8 +142,7 @@ class PinnedStagingPool:
         if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
             raise ValueError(f"num_buffers must be an int >= 1 (2 lets the CPU fill one buffer "
                              f"while the other is being copied), got {num_buffers!r}")
-        if min_buffer_bytes < 0:
-            raise ValueError(f"min_buffer_bytes must be >= 0, got {min_buffer_bytes}")
+        _byte_count("min_buffer_bytes", min_buffer_bytes)
         self.device = select_device(device)
         self.pinned = self.device.type == "cuda"
         if not self.pinned:
@@ -179,8 +201,7 @@ class PinnedStagingPool:
 
     def reserve(self, nbytes: int) -> None:
         """Grow every buffer to hold at least ``nbytes`` now (e.g. before a graph capture)."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        _byte_count("nbytes", nbytes)
         if self.pinned:
             for i in range(self.num_buffers):
                 self._ensure_capacity(i, nbytes)
@@ -190,7 +211,7 @@ class PinnedStagingPool:
         :meth:`submit`. Pinned on a GPU; a fresh CPU tensor on the synchronous path."""
         if self._staged is not None:
             raise RuntimeError("a buffer is already staged: submit() it before staging another")
-        shape = torch.Size(shape)
+        shape = _shape_and_dtype(shape, dtype)
         if not self.pinned:
             host = torch.empty(shape, dtype=dtype)
         else:
