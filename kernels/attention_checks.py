@@ -8,6 +8,7 @@ sync, so the kernels skip them with ``check=False`` and under CUDA Graph capture
 from __future__ import annotations
 
 import math
+from operator import index
 
 import torch
 
@@ -22,9 +23,46 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def resolve_max_query_len(given, longest_q, cu_seqlens_q, name: str, what: str) -> int:
+def check_tensors(**tensors) -> None:
+    """Each argument is a tensor: a list or an array would fail later with an AttributeError."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap it "
+                            "with torch.tensor(..., device=q.device)")
+
+
+def check_flag(name: str, value, allow_none: bool = False) -> None:
+    """A switch is a bool: a string such as "no" is truthy and would silently mean yes."""
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        raise TypeError(f"{name} must be True or False{' or None' if allow_none else ''}, "
+                        f"got {value!r}")
+
+
+def resolve_max_query_len(given, longest_q, cu_seqlens_q, total: int, name: str,
+                          what: str) -> int:
     """The grid's query extent: ``given`` (checked against ``longest_q`` when that is known),
-    else read from ``cu_seqlens_q``, which needs a host sync and so is refused while capturing."""
+    else read from ``cu_seqlens_q``, which needs a host sync and so is refused while capturing.
+
+    ``given`` is a host int, so it is checked on every call, ``check=False`` included: ``total``
+    new tokens over ``batch`` sequences put between ceil(total / batch) and ``total`` of them in
+    the longest. Below that, tokens would get no output; above it, the grid launches programs
+    for tokens that do not exist (a huge value launches millions)."""
+    if given is not None:
+        if isinstance(given, bool):
+            raise TypeError(f"{name} must be an int ({what} in the longest sequence) or None, "
+                            f"got {given!r}")
+        try:
+            given = index(given)
+        except TypeError:
+            raise TypeError(f"{name} must be an int ({what} in the longest sequence) or None, "
+                            f"got {type(given).__name__} {given!r}") from None
+        batch = cu_seqlens_q.numel() - 1
+        least = -(-total // batch) if batch else total
+        if given < least or (total and given > total):
+            raise ValueError(f"{name}={given} is impossible for {total} {what} in {batch} "
+                             f"sequences: the longest has between {least} and {total}; pass "
+                             f"the longest sequence's count, or None to read it from "
+                             "cu_seqlens_q")
     if given is None:
         if _capturing():
             raise ValueError(f"pass {name} when capturing a CUDA Graph")
@@ -37,6 +75,7 @@ def resolve_max_query_len(given, longest_q, cu_seqlens_q, name: str, what: str) 
 
 def check_heads_and_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_dims: int) -> None:
     """Shared by the flash and paged wrappers: ranks, head counts, head dims, dtypes, devices."""
+    check_tensors(q=q, k=k, v=v) if k_dims == 3 else check_tensors(q=q, k_cache=k, v_cache=v)
     if q.dim() != 3 or k.dim() != k_dims or v.shape != k.shape:
         raise ValueError(f"q must be [tokens, num_q_heads, head_dim] and k, v the same {k_dims}-D "
                          f"shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -66,6 +105,7 @@ def check_cu_seqlens(cu: torch.Tensor, total: int, name: str, device,
     Reading values costs one host sync, so with ``check=False`` or under CUDA Graph capture only
     the shape and dtype are checked and None is returned.
     """
+    check_tensors(**{name: cu})
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2 or cu.device != device:
         raise ValueError(f"{name} must be int32 [batch + 1] on {device}, got {cu.dtype} "
                          f"{tuple(cu.shape)} on {cu.device}")
@@ -81,14 +121,17 @@ def check_cu_seqlens(cu: torch.Tensor, total: int, name: str, device,
 
 
 def softmax_scale(scale: float | None, head_dim: int) -> float:
-    """1/sqrt(head_dim) unless given; must be positive (the kernels scale the row maximum)."""
+    """1/sqrt(head_dim) unless given; must be positive (the kernels scale the row maximum) and
+    finite (an infinite scale turns every score into inf - inf = NaN)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite positive number (None means "
+                         f"1/sqrt(head_dim)), got {scale}")
     return scale
 
 
 def check_window(causal: bool, window: int | None) -> None:
+    check_flag("causal", causal)
     if window is None:
         return
     check_positive_int("window", window, hint="keys each query sees")
@@ -126,6 +169,7 @@ def check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size, d
                   check: bool) -> int | None:
     """Block table and lengths agree with the cache. Returns the longest sequence, reading the
     values in ONE host sync; with ``check=False`` (or during graph capture) returns None."""
+    check_tensors(block_tables=block_tables, seq_lens=seq_lens)
     batch = cu_seqlens_q.numel() - 1
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or \
             block_tables.shape[0] != batch or block_tables.stride(1) != 1 or \

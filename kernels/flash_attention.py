@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 from labkit.device import interpreter_on
-from labkit.kernels.attention_checks import (check_cu_seqlens, check_heads_and_dtypes,
-                                             check_window, resolve_max_query_len,
-                                             softmax_scale)
+from labkit.kernels.attention_checks import (check_cu_seqlens, check_flag,
+                                             check_heads_and_dtypes, check_window,
+                                             resolve_max_query_len, softmax_scale)
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -224,15 +224,17 @@ def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
     descriptors wherever the GPU and the tensors' layout allow them (None).
     """
     check_heads_and_dtypes(q, k, v, k_dims=3)
-    if k.dtype != q.dtype:
-        raise TypeError(f"k and v must have q's dtype {q.dtype}, got {k.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k and v must have q's dtype {q.dtype}, got k {k.dtype} and v "
+                        f"{v.dtype}; convert them with .to(q.dtype)")
     check_window(causal, window)
+    check_flag("tma", tma, allow_none=True)
     longest_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", q.device, check)
     check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", q.device, check)
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe different batch sizes "
                          f"({cu_seqlens_q.numel() - 1} vs {cu_seqlens_k.numel() - 1})")
-    max_seqlen_q = resolve_max_query_len(max_seqlen_q, longest_q, cu_seqlens_q,
+    max_seqlen_q = resolve_max_query_len(max_seqlen_q, longest_q, cu_seqlens_q, q.shape[0],
                                          "max_seqlen_q", "queries")
     out = torch.empty_like(q)
     batch, num_q_heads, head_dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]

@@ -155,31 +155,61 @@ def _num_sms(device) -> int:
     return 4  # the interpreter: small enough that the tests' small batches exercise the split
 
 
+# What ``tuning=`` may override, and the values each key allows (checked before any launch, so
+# a bad value is named here instead of surfacing as a compiler or interpreter error).
+TUNING_KEYS = {  # key: (allowed values, what it sets)
+    "block_n": ("a power of two from 16 to 256", "keys per tile: tl.dot needs at least 16"),
+    "num_warps": ("one of (1, 2, 4, 8, 16, 32)", "warps per program"),
+    "num_stages": ("a positive int", "software-pipelining stages"),
+    "prefetch": ("True or False", "load block ids one tile ahead"),
+    "maxnreg": ("an int from 24 to 255, or None", "registers per thread, ptx .maxnreg"),
+}
+
+
+def check_tuning(tuning) -> dict:
+    """``tuning`` as a dict of known keys with allowed values, or an error naming the key."""
+    if tuning is None:
+        return {}
+    if not isinstance(tuning, dict):
+        raise TypeError(f"tuning must be a dict such as {{'block_n': 32}}, got "
+                        f"{type(tuning).__name__}")
+    unknown = sorted(str(k) for k in tuning if k not in TUNING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown tuning keys {unknown}; known: {', '.join(TUNING_KEYS)}")
+    for key, value in tuning.items():
+        number = isinstance(value, int) and not isinstance(value, bool)
+        ok = {"block_n": number and 16 <= value <= 256 and not value & (value - 1),
+              "num_warps": number and value in (1, 2, 4, 8, 16, 32),
+              "num_stages": number and value >= 1,
+              "prefetch": isinstance(value, bool),
+              "maxnreg": value is None or (number and 24 <= value <= 255)}[key]
+        if not ok:
+            allowed, what = TUNING_KEYS[key]
+            raise ValueError(f"tuning['{key}'] must be {allowed}, got {value!r} ({what})")
+    return dict(tuning)
+
+
 def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: bool,
               tuning: dict | None = None) -> tuple[dict, dict]:
     """What ``paged_attention`` compiles for a batch: the kernel's tile constants (GROUP,
     GROUP_P, BLOCK_Q, BLOCK_N, CAUSAL, SCALED, PREFETCH) and its launch options (num_warps,
     num_stages, maxnreg). ``labkit.lessons.attention_backends.sass`` compiles the same plan ahead
     of time to read the machine code a GPU runs."""
+    tuning = check_tuning(tuning)
     group_p = triton.next_power_of_2(group)
     row_cap = 32 if interpreter_on() else 64
     block_q = min(triton.next_power_of_2(max_query_len), max(1, row_cap // group_p))
     if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
         group_p = max(group_p, 16)
     block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
-    tuning = dict(tuning or {})
-    block_n = tuning.pop("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
+    block_n = tuning.get("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
     # fp8 tiles: two warps keep more programs resident per SM, which is what a stream of
     # half-size tiles needs (on an H200, B64 ctx 4k, two warps are faster than four).
-    launch = {"num_warps": tuning.pop("num_warps", 2 if fp8 else 4),
-              "num_stages": tuning.pop("num_stages", 3)}
-    maxnreg = tuning.pop("maxnreg", None)  # a cap on registers per thread (ptx .maxnreg)
-    if maxnreg is not None:
-        launch["maxnreg"] = int(maxnreg)
-    prefetch = bool(tuning.pop("prefetch", fp8))
-    if tuning:
-        raise ValueError(f"unknown tuning keys {sorted(tuning)}; known: block_n, num_warps, "
-                         "num_stages, prefetch, maxnreg")
+    launch = {"num_warps": tuning.get("num_warps", 2 if fp8 else 4),
+              "num_stages": tuning.get("num_stages", 3)}
+    if tuning.get("maxnreg") is not None:  # a cap on registers per thread (ptx .maxnreg)
+        launch["maxnreg"] = tuning["maxnreg"]
+    prefetch = tuning.get("prefetch", fp8)
     # One new token per sequence (decode) sees every cached key, so its causal mask keeps them
     # all. fp8 decode is built without it: Triton then pipelines the fp8 K/V loads, a gain on
     # an H200 (B64 ctx 4k). bf16 keeps it: without it, its split path is slower (B1, 32k keys).
@@ -206,14 +236,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     """
     fp8 = check_cache(q, k_cache, v_cache, k_scale, v_scale)
     check_window(causal, window)
+    check_tuning(tuning)
     longest_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", q.device, check)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     max_seq_len = check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size,
                                 q.device, check)
     if max_seq_len is None:  # unchecked: plan for the longest sequence the table can hold
         max_seq_len = block_tables.shape[1] * block_size
-    max_query_len = resolve_max_query_len(max_query_len, longest_q, cu_seqlens_q,
+    max_query_len = resolve_max_query_len(max_query_len, longest_q, cu_seqlens_q, q.shape[0],
                                           "max_query_len", "new tokens")
+    if num_splits is not None:  # a host int: checked on every call, before any work
+        check_positive_int("num_splits", num_splits, hint="or None to choose")
     out = torch.empty_like(q)
     if q.shape[0] == 0 or max_query_len == 0:
         return out
