@@ -227,3 +227,25 @@ def test_selection_lines_match_what_is_logged(caplog):
         backend, passed = select_backend(spec)
     lines = selection_lines(backend.name, passed, forced=False, spec=spec)
     assert [r.getMessage() for r in caplog.records] == lines
+
+
+# --- bad input: AttentionSpec / select_backend -------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(mla="no"), TypeError, "mla must be True or False"),
+    (dict(mixed_batch="no"), TypeError, "mixed_batch must be True or False"),
+    (dict(compute_capability=9), ValueError, r"compute_capability must be a \(major, minor\)"),
+    (dict(dtype=torch.int8), ValueError, "dtype must be a floating-point torch dtype"),
+])
+def test_attention_spec_fields_of_the_wrong_kind_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AttentionSpec(4, 2, 64, **kwargs)
+
+
+def test_select_backend_names_what_it_was_given():
+    with pytest.raises(TypeError, match="spec must be an AttentionSpec, got dict"):
+        select_backend({"num_q_heads": 4})
+    with pytest.raises(ValueError, match=r"among holds unknown backends \['bogus'\]; known"):
+        select_backend(AttentionSpec(4, 2, 64), among=["bogus"])
+    with pytest.raises(TypeError, match=r"among must be a list of backend names"):
+        select_backend(AttentionSpec(4, 2, 64), among="sdpa")

@@ -59,9 +59,18 @@ class AttentionSpec:
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch dtype or one of {list(_DTYPES)}, "
+        if self.dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be a floating-point torch dtype, one of "
+                             f"{list(_DTYPES.values())} or its name {list(_DTYPES)}, "
                              f"got {self.dtype!r}")
+        for name in ("mla", "mixed_batch"):  # a string such as "no" would be truthy
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        cc = self.compute_capability
+        if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in cc)):
+            raise ValueError(f"compute_capability must be a (major, minor) tuple of ints such "
+                             f"as (9, 0), or None for any GPU; got {cc!r}")
         if self.sliding_window is not None:
             check_positive_int("sliding_window", self.sliding_window,
                                hint="or None: full attention")
@@ -162,7 +171,16 @@ def select_backend(spec: AttentionSpec, prefer: str | None = None, *,
     against ``spec``; with ``skip_slow``, a CPU spec also passes over the backends of
     ``CPU_SLOW``. The choice and every reason are logged once, to ``logger`` (None: not logged).
     """
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}; build one "
+                        "with AttentionSpec(num_q_heads, num_kv_heads, head_dim, ...)")
+    if isinstance(among, str):
+        raise TypeError(f"among must be a list of backend names, got the string {among!r}; "
+                        f"pass [{among!r}]")
     among = tuple(among)
+    unknown = [name for name in among if name not in BACKENDS]
+    if unknown:
+        raise ValueError(f"among holds unknown backends {unknown}; known: {list(BACKENDS)}")
     reasons = {name: reasons_against(BACKENDS[name], spec) for name in among}
     if prefer is None and skip_slow and spec.device == "cpu":
         reasons = {name: why + ([CPU_SLOW[name]] if name in CPU_SLOW else [])
