@@ -76,7 +76,7 @@ def test_config_without_kv_heads_is_multi_head():
     (dict(head_dim=15), "positive even int"),
     (dict(vocab_size=0), "vocab_size must be a positive int"),
     (dict(torch_dtype="float8"), "torch_dtype must be one of"),
-    (dict(rms_norm_eps=0.0), "rms_norm_eps must be > 0"),
+    (dict(rms_norm_eps=0.0), "rms_norm_eps must be a finite number > 0"),
 ])
 def test_config_errors_say_what_to_change(change, message):
     with pytest.raises(ValueError, match=message):

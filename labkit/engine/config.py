@@ -9,6 +9,7 @@ into a model that silently computes something else.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -55,10 +56,14 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int ({pairs}), "
                              f"got {self.head_dim!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.tie_word_embeddings, bool):  # "false" would be truthy: tied
+            raise TypeError(f"tie_word_embeddings must be True or False, got "
+                            f"{self.tie_word_embeddings!r}")
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {list(DTYPES)}, "
                              f"got {self.torch_dtype!r}")
@@ -84,9 +89,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, config: dict) -> "ModelConfig":
         """From the dict of a Hugging Face ``config.json`` (transformers 4.x or 5.x names)."""
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict (the object a config.json holds), got "
+                            f"{type(config).__name__}")
         _refuse_unsupported(config)
         optional = ("max_position_embeddings", "num_key_value_heads")  # older files: MHA
-        missing = [n for n in _INT_FIELDS if n not in config and n not in optional]
+        missing = [n for n in _INT_FIELDS if config.get(n) is None and n not in optional]
         if missing:
             raise ValueError(f"config.json lacks {missing}: a Llama-style config needs them")
         known = {f.name for f in fields(cls)}
@@ -106,9 +114,16 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
+        if path.suffix == ".safetensors":
+            raise ValueError(f"{path} is a weights file: pass the checkpoint folder that holds "
+                             f"it and config.json ({path.parent})")
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
-        return cls.from_dict(json.loads(path.read_text()))
+        config = read_json_object(path, "the model's config")
+        try:
+            return cls.from_dict(config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict:
         """A ``config.json`` that labkit and transformers' ``LlamaForCausalLM`` both read."""
@@ -138,6 +153,22 @@ class ModelConfig:
         return cls(**values)
 
 
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in ``path``, or a ValueError naming the file and what is wrong with it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a JSON text file (it should hold {what}); is it a "
+                         "weights file? Pass the checkpoint folder") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); "
+                         "fix or download the file again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object ({what}), got a "
+                         f"{type(value).__name__}")
+    return value
+
+
 def _refuse_unsupported(config: dict) -> None:
     problems = []
     if config.get("hidden_act", "silu") != "silu":
@@ -145,6 +176,10 @@ def _refuse_unsupported(config: dict) -> None:
     for bias in ("attention_bias", "mlp_bias"):
         if config.get(bias):
             problems.append(f"{bias}=true (labkit's projections have no bias)")
+    for name in ("rope_scaling", "rope_parameters"):
+        if config.get(name) is not None and not isinstance(config[name], dict):
+            raise ValueError(f"{name} must be an object such as {{\"rope_type\": \"default\"}} "
+                             f"or null, got {config[name]!r}")
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type != "default":

@@ -10,19 +10,35 @@ before a single parameter is written, so a failed load leaves the model as it wa
 from __future__ import annotations
 
 import json
+import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from labkit.engine.config import ModelConfig
+from labkit import check_positive_int
+from labkit.engine.config import ModelConfig, read_json_object
 from labkit.engine.model import LlamaModel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the names save_weights writes
 # Buffers that older exports saved beside the parameters; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextmanager
+def open_shard(file: Path):
+    """``safe_open`` of one file, whose failure (a truncated or corrupt download) names it."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); it may be truncated "
+                         "or still downloading: download it again") from None
+    with handle as f:
+        yield f
 
 
 def hf_weight_map(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
@@ -57,11 +73,22 @@ def hf_weight_map(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it, for a checkpoint folder or one file."""
     path = Path(path)
+    if path.is_file() and path.suffix != ".safetensors":
+        raise ValueError(f"{path} is not a safetensors file: pass the checkpoint folder "
+                         f"({path.parent}) or one .safetensors file")
     if path.is_file():
         files = [path]
     elif (path / INDEX_FILE).is_file():
-        index = json.loads((path / INDEX_FILE).read_text())
-        out = {name: path / file for name, file in index["weight_map"].items()}
+        index = read_json_object(path / INDEX_FILE, "the checkpoint's shard index")
+        weight_map = index.get("weight_map")
+        if weight_map is None:
+            raise ValueError(f"{path / INDEX_FILE} has no 'weight_map' (tensor name -> shard "
+                             "file); the index is incomplete: download it again")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(n, str) and isinstance(f, str) for n, f in weight_map.items()):
+            raise ValueError(f"{path / INDEX_FILE}: 'weight_map' must map tensor names to shard "
+                             f"files, got {type(weight_map).__name__}")
+        out = {name: path / file for name, file in weight_map.items()}
         absent = sorted({str(f) for f in out.values() if not f.is_file()})
         if absent:
             raise FileNotFoundError(f"{INDEX_FILE} names shards that are not there: {absent}")
@@ -73,7 +100,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
                                 f"{SINGLE_FILE} or any *.safetensors)")
     out = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with open_shard(file) as f:
             out.update((name, file) for name in f.keys())
     return out
 
@@ -82,7 +109,7 @@ def _header(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype string), read from the headers only."""
     out = {}
     for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as f:
+        with open_shard(file) as f:
             for name in f.keys():
                 if files.get(name) == file:
                     s = f.get_slice(name)
@@ -131,7 +158,7 @@ def load_weights(model: LlamaModel, path: str | Path) -> LlamaModel:
     for name in mapping:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_shard(file) as f:
             for name in names:
                 ours, start, end = mapping[name]
                 params[ours][start:end].copy_(f.get_tensor(name))
@@ -141,6 +168,9 @@ def load_weights(model: LlamaModel, path: str | Path) -> LlamaModel:
 def load_model(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                fused_ops: bool = False) -> LlamaModel:
     """Config and weights from a Hugging Face style folder (``config.json`` + safetensors)."""
+    if Path(path).is_file():
+        raise ValueError(f"{path} is a file: pass the checkpoint folder that holds config.json "
+                         f"and the safetensors ({Path(path).parent})")
     model = LlamaModel(ModelConfig.from_json(path), device=device, dtype=dtype,
                        fused_ops=fused_ops)
     return load_weights(model, path)
@@ -184,8 +214,19 @@ def save_weights(model: LlamaModel, path: str | Path, max_shard_bytes: int | Non
     With ``max_shard_bytes``, tensors are split over several files with an index, as large
     checkpoints are published.
     """
+    if not isinstance(model, LlamaModel):
+        raise TypeError(f"save_weights takes a LlamaModel, got {type(model).__name__}; build one "
+                        "with random_model(config) or load_model(folder)")
+    if max_shard_bytes is not None:
+        check_positive_int("max_shard_bytes", max_shard_bytes, hint="bytes per file, or None")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    # A checkpoint saved here before in the other layout would shadow this one (an index wins
+    # over model.safetensors): remove the files this function writes, and only those.
+    for old in [path / INDEX_FILE, path / SINGLE_FILE, *path.glob("model-*-of-*.safetensors")]:
+        if old.is_file() and (old.name in (INDEX_FILE, SINGLE_FILE) or SHARD_FILE.fullmatch(
+                old.name)):
+            old.unlink()
     config = model.config.to_dict()
     config["torch_dtype"] = str(model.embed_tokens.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
