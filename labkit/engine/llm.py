@@ -21,11 +21,13 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from operator import index
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from labkit import check_positive_int, check_power_of_two
 from labkit.device import select_device
 from labkit.engine.config import ModelConfig
 from labkit.engine.model import LlamaModel
@@ -138,6 +140,22 @@ class LLM:
                  device: str | torch.device = "auto", dtype: torch.dtype | None = None,
                  seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None,
                  fused_ops: bool | None = None):
+        # The engine's own arguments first, by the names given here: a bad one must not surface
+        # later as a derived quantity (num_blocks) the caller never passed.
+        check_positive_int("max_num_seqs", max_num_seqs, hint="running requests at once")
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens,
+                           hint="the token budget of one step")
+        if max_model_len is not None:
+            check_positive_int("max_model_len", max_model_len,
+                               hint="prompt + output tokens, or None: the model's context")
+        check_power_of_two("block_size", block_size, hint="tokens a KV block holds; 16 is usual")
+        if num_blocks is not None:
+            check_positive_int("num_blocks", num_blocks, hint="KV blocks, or None: sized for you")
+        if kv_cache_memory is not None:
+            check_positive_int("kv_cache_memory", kv_cache_memory, hint="bytes, or None")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63) (it seeds the random weights "
+                             f"and each request's sampler), got {seed!r}")
         self.device = select_device(device)
         if isinstance(model, LlamaModel):
             self.device = model.embed_tokens.device  # a LlamaModel given stays where it is
@@ -204,21 +222,36 @@ class LLM:
         return time.perf_counter() - self._clock0
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Sequence[Sequence[int] | str],
+    def generate(self, prompts: Sequence[Sequence[int] | str] | torch.Tensor,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """One output per prompt, in order. A request that cannot be served gets
-        ``finish_reason="error"`` and its ``error``; the rest of the batch goes on. If a step
-        fails (the device raised), this call's requests are dropped and the engine is left as
-        it was before the call; the error propagates."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+        """One output per prompt, in order. ``prompts``: a list (any iterable) of prompts, each
+        a list of token ids, a 1-D integer tensor or a string (with a tokenizer); a 2-D integer
+        tensor is a batch of equal-length prompts, one a row. Prompts or params of the wrong
+        type raise before anything is queued. A request that cannot be served (a token outside
+        the vocabulary, too long, empty) gets ``finish_reason="error"`` and its ``error``; the
+        rest of the batch goes on. If a step fails (the device raised), this call's requests
+        are dropped and the engine is left as it was before the call; the error propagates."""
+        if isinstance(prompts, torch.Tensor) and prompts.dim() != 2:
+            raise TypeError(f"prompts is a {prompts.dim()}-D tensor; generate() takes a list of "
+                            "prompts, each a list of token ids: pass [tensor] for one prompt "
+                            "(or a 2-D tensor, one prompt a row)")
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
             raise TypeError("generate() takes a list of prompts (each a list of token ids, or a "
                             "string with a tokenizer); wrap a single prompt in a list")
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise TypeError(f"prompts must be a list of prompts (each a list of token ids), got "
+                            f"{type(prompts).__name__}") from None
         if self.has_unfinished_requests():
             raise RuntimeError("generate() runs on an idle engine: requests added with "
                                "add_request() are still unfinished; step() them to the end")
+        # Every check before the first request is queued: a refused call changes nothing.
+        token_ids = [self._token_ids(i, prompt) for i, prompt in enumerate(prompts)]
         params = self._params_for(len(prompts), sampling_params)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [self._add(prompt, ids, p) for prompt, ids, p in zip(prompts, token_ids, params)]
         done: dict[int, RequestOutput] = {}
         for rid in ids:  # refused at once
             if rid in self._finished:
@@ -235,16 +268,22 @@ class LLM:
             out.index = i
         return outputs
 
-    def add_request(self, prompt: Sequence[int] | str,
+    def add_request(self, prompt: Sequence[int] | str | torch.Tensor,
                     sampling_params: SamplingParams | None = None) -> int:
-        """Queue one request now (its arrival time); returns its id. A request that cannot be
-        served finishes at once with an error (see ``step``'s outputs or ``generate``)."""
-        p = sampling_params or SamplingParams()
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(p).__name__}")
+        """Queue one request now (its arrival time); returns its id. A prompt or params of the
+        wrong type raise (nothing is queued, no id is used). A request that cannot be served
+        finishes at once with an error (see ``step``'s outputs or ``generate``)."""
+        ids = self._token_ids(0, prompt)
+        p = self._check_params(sampling_params or SamplingParams(), "sampling_params")
+        return self._add(prompt, ids, p)
+
+    def _add(self, prompt, ids: list[int] | None, p: SamplingParams) -> int:
         rid = self._next_id
         self._next_id += 1
-        ids, error = self._token_ids(rid, prompt)
+        error = None
+        if ids is None:  # text, and no tokenizer to encode it
+            error = (f"prompt {rid} is text but this LLM has no tokenizer: pass "
+                     "LLM(..., tokenizer=...) or give token ids")
         arrival = self._now(sync=not self.async_scheduling)
         req = None
         if error is None:
@@ -334,30 +373,64 @@ class LLM:
         self._live.clear()
         self._finished.clear()
 
+    def _check_params(self, p, name: str) -> SamplingParams:
+        if isinstance(p, dict):
+            fields = ", ".join(f"{k}={v!r}" for k, v in p.items())
+            raise TypeError(f"{name} is a dict; pass SamplingParams({fields})")
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"{name} must be a SamplingParams, got {type(p).__name__}")
+        vocab = self.config.vocab_size
+        bad = next((t for t in p.stop_token_ids if t >= vocab), None)
+        if bad is not None:  # never sampled, so it would never stop the request
+            raise ValueError(f"{name}.stop_token_ids holds {bad}, outside the vocabulary "
+                             f"[0, {vocab}): the model never samples it; check the tokenizer's "
+                             "stop ids")
+        return p
+
     def _params_for(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
-        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
-            raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one "
-                             f"per prompt), got {len(params)} items")
-        return params
-
-    def _token_ids(self, i: int, prompt) -> tuple[list[int] | None, str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                return None, (f"prompt {i} is text but this LLM has no tokenizer: pass "
-                              "LLM(..., tokenizer=...) or give token ids")
-            return list(self.tokenizer.encode(prompt)), None
-        if hasattr(prompt, "tolist"):
-            prompt = prompt.tolist()
+        if isinstance(sampling_params, (SamplingParams, dict)):
+            return [self._check_params(sampling_params, "sampling_params")] * n
         try:
-            return list(prompt), None
+            params = list(sampling_params)
         except TypeError:
-            return None, (f"prompt {i} is a {type(prompt).__name__}; give a list of token ids "
-                          "or a string")
+            raise TypeError(f"sampling_params must be one SamplingParams or a list of {n} (one "
+                            f"per prompt), got {type(sampling_params).__name__}") from None
+        if len(params) != n:
+            raise ValueError(f"sampling_params must be one SamplingParams or a list of one per "
+                             f"prompt: got {len(params)} SamplingParams for {n} prompts")
+        return [self._check_params(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
+
+    def _token_ids(self, i: int, prompt) -> list[int] | None:
+        """The prompt's token ids (None: text with no tokenizer, an error for its request), or
+        a TypeError naming prompt ``i`` when it is not a prompt at all."""
+        if isinstance(prompt, str):
+            return None if self.tokenizer is None else list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1:
+                raise TypeError(f"prompt {i} is a {prompt.dim()}-D tensor; a prompt is a 1-D "
+                                "tensor (or list) of token ids")
+            if prompt.dtype.is_floating_point or prompt.dtype.is_complex or \
+                    prompt.dtype == torch.bool:
+                raise TypeError(f"prompt {i} is a {prompt.dtype} tensor; token ids are integers "
+                                "(torch.long or torch.int32)")
+            return prompt.tolist()
+        if hasattr(prompt, "tolist"):  # a numpy array
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple, range)):
+            raise TypeError(f"prompt {i} is a {type(prompt).__name__}; a prompt is a list of "
+                            "token ids (or a string, with a tokenizer)")
+        ids = []
+        for pos, t in enumerate(prompt):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids.append(index(t))
+            except TypeError:
+                raise TypeError(f"prompt {i} holds {type(t).__name__} {t!r} at position {pos}: "
+                                "token ids are ints") from None
+        return ids
 
     def _output(self, entry: _Live) -> RequestOutput:
         req, times = entry.request, entry.token_times_s

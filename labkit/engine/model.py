@@ -25,7 +25,7 @@ from torch import nn
 
 from labkit.attention import (AttentionSpec, flash_attention, flash_attention_ref,
                               select_backend)
-from labkit.engine.config import ModelConfig
+from labkit.engine.config import DTYPES, ModelConfig
 from labkit.kernels import layer_ops
 from labkit.kernels.layer_ops import apply_rope, rope_cos_sin
 
@@ -124,7 +124,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, device=None, dtype=None, *, fused_ops: bool = False):
         super().__init__()
-        dtype = dtype or config.dtype
+        dtype = model_dtype(config, dtype)
         self.config = config
         self.fused_ops = bool(fused_ops)
         kw = dict(device=device, dtype=dtype)
@@ -194,6 +194,18 @@ class LlamaModel(nn.Module):
         if positions.numel() and int(positions.max()) >= limit:
             raise ValueError(f"position {int(positions.max())} is past the model's context of "
                              f"{limit} tokens (max_position_embeddings); shorten the sequence")
+
+
+def model_dtype(config: ModelConfig, dtype) -> torch.dtype:
+    """``dtype`` (a torch dtype or its name, "float16"), or the config's when None."""
+    if dtype is None:
+        return config.dtype
+    named = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if named not in DTYPES.values():
+        raise ValueError(f"dtype must be a floating-point torch dtype, one of "
+                         f"{list(DTYPES.values())} or its name {list(DTYPES)}, or None for the "
+                         f"config's ({config.torch_dtype}); got {dtype!r}")
+    return named
 
 
 def positions_in_sequences(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,10 @@ class ModelRunner:
         self.fused_ops = model.fused_ops if fused_ops is None else bool(fused_ops)
         self.device = model.embed_tokens.device
         self.dtype = model.embed_tokens.dtype
-        self.max_model_len = max_model_len or c.max_position_embeddings
+        if max_model_len is not None:
+            check_positive_int("max_model_len", max_model_len,
+                               hint="prompt + output tokens, or None: the model's context")
+        self.max_model_len = c.max_position_embeddings if max_model_len is None else max_model_len
         if self.max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} is past the model's context "
                              f"of {c.max_position_embeddings} tokens (max_position_embeddings); "

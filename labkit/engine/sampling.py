@@ -37,9 +37,13 @@ class SamplingParams:
                                       or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
         try:
+            if any(isinstance(t, bool) for t in self.stop_token_ids):
+                raise TypeError  # True is not a token id
             stops = tuple(index(t) for t in self.stop_token_ids)
         except TypeError:
             raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}") from None
+        if any(t < 0 for t in stops):  # a negative id is never sampled: it would never stop
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", stops)
 
     @property
@@ -73,7 +77,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, (p, g) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        probs = top_p_probs(torch.softmax(logits[i] / p.temperature, dim=-1), p.top_p)
+        # Shifted by the row maximum and divided in float64, a tiny temperature gives 0 for the
+        # top token and -inf for the rest (float32 overflows to inf - inf = NaN below ~1e-38).
+        scaled = (logits[i].double() - logits[i].max()) / p.temperature
+        probs = top_p_probs(torch.softmax(scaled, dim=-1).float(), p.top_p)
         tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
     return tokens
 
