@@ -269,3 +269,16 @@ def test_save_weights_checks_its_arguments(tmp_path, shard, match):
         save_weights(random_model(TINY), tmp_path, max_shard_bytes=shard)
     with pytest.raises(TypeError, match="save_weights takes a LlamaModel, got ModelConfig"):
         save_weights(TINY, tmp_path)
+
+
+def test_the_engine_writes_kv_without_the_slot_check_it_made_safe_itself(monkeypatch):
+    """The runner builds slot_mapping from the block manager, so it passes check=False: the
+    check's host sync would stall async scheduling (and is skipped during graph capture)."""
+    from labkit.kvcache import PagedKVCache
+
+    seen, write = [], PagedKVCache.write
+    monkeypatch.setattr(PagedKVCache, "write",
+                        lambda self, *a, **kw: seen.append(kw.get("check", True)) or
+                        write(self, *a, **kw))
+    LLM(ModelConfig.tiny(), max_model_len=64).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert seen and not any(seen)

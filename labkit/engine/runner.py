@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from labkit import check_positive_int, check_power_of_two
 from labkit.attention import (BACKENDS, AttentionSpec, Backend, BackendUnavailable,
                               select_backend, selection_lines)
-from labkit.attention import CPU_SLOW  # noqa: F401  (what auto passes over on CPU, named here too)
 from labkit.engine.model import LlamaModel
 from labkit.engine.request import ScheduledStep
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
@@ -216,7 +215,10 @@ class ModelRunner:
         def attention(layer, q, k, v):
             # Every new token's K/V goes in before any row reads: a prefix hit admitted in this
             # step may read blocks that another row of the same step is writing.
-            cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel)
+            # The slots come from the block manager (in range by construction): no host sync
+            # to check them, which would also stall async scheduling's overlap.
+            cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel,
+                        check=False)
             out = paged(q, cache.key_cache(layer), cache.value_cache(layer), md.block_tables,
                         md.cu_seqlens_q, md.seq_lens, **kwargs)
             return out.to(q.dtype)

@@ -23,10 +23,9 @@ import pandas as pd
 import torch
 
 from labkit import check_positive_int
-from labkit.attention import BACKENDS, PRIORITY, BackendUnavailable
+from labkit.attention import BACKENDS, CPU_SLOW, PRIORITY, BackendUnavailable
 from labkit.device import free_memory, select_device, synchronize
 from labkit.engine import LLM, LlamaModel, ModelConfig, random_model
-from labkit.engine.runner import CPU_SLOW
 from labkit.lessons.putting_it_together.workload import Workload, engine_options
 from labkit.tools.recorded import json_columns
 
