@@ -21,7 +21,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from operator import index
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,6 +29,7 @@ import torch
 from labkit import check_positive_int, check_power_of_two
 from labkit.device import select_device
 from labkit.engine.config import ModelConfig
+from labkit.engine.inputs import check_params, params_for, prompt_list, token_ids_of
 from labkit.engine.model import LlamaModel
 from labkit.engine.request import Request, ScheduledStep, Status, StepStats
 from labkit.engine.runner import ModelRunner
@@ -232,25 +232,13 @@ class LLM:
         the vocabulary, too long, empty) gets ``finish_reason="error"`` and its ``error``; the
         rest of the batch goes on. If a step fails (the device raised), this call's requests
         are dropped and the engine is left as it was before the call; the error propagates."""
-        if isinstance(prompts, torch.Tensor) and prompts.dim() != 2:
-            raise TypeError(f"prompts is a {prompts.dim()}-D tensor; generate() takes a list of "
-                            "prompts, each a list of token ids: pass [tensor] for one prompt "
-                            "(or a 2-D tensor, one prompt a row)")
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            raise TypeError("generate() takes a list of prompts (each a list of token ids, or a "
-                            "string with a tokenizer); wrap a single prompt in a list")
-        try:
-            prompts = list(prompts)
-        except TypeError:
-            raise TypeError(f"prompts must be a list of prompts (each a list of token ids), got "
-                            f"{type(prompts).__name__}") from None
+        prompts = prompt_list(prompts)
         if self.has_unfinished_requests():
             raise RuntimeError("generate() runs on an idle engine: requests added with "
                                "add_request() are still unfinished; step() them to the end")
         # Every check before the first request is queued: a refused call changes nothing.
-        token_ids = [self._token_ids(i, prompt) for i, prompt in enumerate(prompts)]
-        params = self._params_for(len(prompts), sampling_params)
+        token_ids = [token_ids_of(i, p, self.tokenizer) for i, p in enumerate(prompts)]
+        params = params_for(len(prompts), sampling_params, self.config.vocab_size)
         ids = [self._add(prompt, ids, p) for prompt, ids, p in zip(prompts, token_ids, params)]
         done: dict[int, RequestOutput] = {}
         for rid in ids:  # refused at once
@@ -273,8 +261,9 @@ class LLM:
         """Queue one request now (its arrival time); returns its id. A prompt or params of the
         wrong type raise (nothing is queued, no id is used). A request that cannot be served
         finishes at once with an error (see ``step``'s outputs or ``generate``)."""
-        ids = self._token_ids(0, prompt)
-        p = self._check_params(sampling_params or SamplingParams(), "sampling_params")
+        ids = token_ids_of(0, prompt, self.tokenizer)
+        p = check_params(sampling_params or SamplingParams(), "sampling_params",
+                         self.config.vocab_size)
         return self._add(prompt, ids, p)
 
     def _add(self, prompt, ids: list[int] | None, p: SamplingParams) -> int:
@@ -372,65 +361,6 @@ class LLM:
                 self.scheduler.abort_request(rid)
         self._live.clear()
         self._finished.clear()
-
-    def _check_params(self, p, name: str) -> SamplingParams:
-        if isinstance(p, dict):
-            fields = ", ".join(f"{k}={v!r}" for k, v in p.items())
-            raise TypeError(f"{name} is a dict; pass SamplingParams({fields})")
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"{name} must be a SamplingParams, got {type(p).__name__}")
-        vocab = self.config.vocab_size
-        bad = next((t for t in p.stop_token_ids if t >= vocab), None)
-        if bad is not None:  # never sampled, so it would never stop the request
-            raise ValueError(f"{name}.stop_token_ids holds {bad}, outside the vocabulary "
-                             f"[0, {vocab}): the model never samples it; check the tokenizer's "
-                             "stop ids")
-        return p
-
-    def _params_for(self, n: int, sampling_params) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * n
-        if isinstance(sampling_params, (SamplingParams, dict)):
-            return [self._check_params(sampling_params, "sampling_params")] * n
-        try:
-            params = list(sampling_params)
-        except TypeError:
-            raise TypeError(f"sampling_params must be one SamplingParams or a list of {n} (one "
-                            f"per prompt), got {type(sampling_params).__name__}") from None
-        if len(params) != n:
-            raise ValueError(f"sampling_params must be one SamplingParams or a list of one per "
-                             f"prompt: got {len(params)} SamplingParams for {n} prompts")
-        return [self._check_params(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
-
-    def _token_ids(self, i: int, prompt) -> list[int] | None:
-        """The prompt's token ids (None: text with no tokenizer, an error for its request), or
-        a TypeError naming prompt ``i`` when it is not a prompt at all."""
-        if isinstance(prompt, str):
-            return None if self.tokenizer is None else list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1:
-                raise TypeError(f"prompt {i} is a {prompt.dim()}-D tensor; a prompt is a 1-D "
-                                "tensor (or list) of token ids")
-            if prompt.dtype.is_floating_point or prompt.dtype.is_complex or \
-                    prompt.dtype == torch.bool:
-                raise TypeError(f"prompt {i} is a {prompt.dtype} tensor; token ids are integers "
-                                "(torch.long or torch.int32)")
-            return prompt.tolist()
-        if hasattr(prompt, "tolist"):  # a numpy array
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple, range)):
-            raise TypeError(f"prompt {i} is a {type(prompt).__name__}; a prompt is a list of "
-                            "token ids (or a string, with a tokenizer)")
-        ids = []
-        for pos, t in enumerate(prompt):
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                ids.append(index(t))
-            except TypeError:
-                raise TypeError(f"prompt {i} holds {type(t).__name__} {t!r} at position {pos}: "
-                                "token ids are ints") from None
-        return ids
 
     def _output(self, entry: _Live) -> RequestOutput:
         req, times = entry.request, entry.token_times_s
