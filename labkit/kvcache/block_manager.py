@@ -25,7 +25,7 @@ from typing import Hashable, Sequence
 
 from labkit import check_positive_int, check_power_of_two
 from labkit.kvcache.prefix_cache import (
-    HashFn, PrefixCache, block_hash, extra_key_bytes, root_hash,
+    HashFn, PrefixCache, block_hash, check_block_id, extra_key_bytes, root_hash,
 )
 
 
@@ -150,11 +150,11 @@ class BlockManager:
         return self._get(seq_id).num_tokens
 
     def ref_count(self, block: int) -> int:
-        return self._ref[self._block(block)]
+        return self._ref[check_block_id(block, self.num_blocks)]
 
     def is_cached(self, block: int) -> bool:
         """Registered in the prefix cache (findable by hash), whether in use or evictable."""
-        return self._prefix.is_registered(self._block(block))
+        return self._prefix.is_registered(check_block_id(block, self.num_blocks))
 
     def evictable_blocks(self) -> list[int]:
         """Cached blocks no sequence holds, next to be evicted first."""
@@ -321,16 +321,6 @@ class BlockManager:
                     self._free.append(b)
 
     # ------------------------------------------------------------------ internals
-    def _block(self, block) -> int:
-        """A block id in [0, num_blocks): list indexing would wrap -1 to the last block."""
-        if isinstance(block, bool) or not isinstance(block, int):
-            raise TypeError(f"block must be an int block id, got {type(block).__name__} "
-                            f"{block!r}")
-        if not 0 <= block < self.num_blocks:
-            raise ValueError(f"block {block} is outside [0, {self.num_blocks}): this manager "
-                             f"has {self.num_blocks} blocks")
-        return block
-
     def _get(self, seq_id) -> _Sequence:
         seq = self._seqs.get(seq_id)
         if seq is None:

@@ -43,6 +43,17 @@ def root_hash(extra: bytes) -> bytes:
     return blake2b(b"labkit-root:" + extra, digest_size=16).digest()
 
 
+def check_block_id(block, num_blocks: int) -> int:
+    """``block`` as a block id in [0, num_blocks), or an error that says so: list indexing would
+    wrap -1 to the last block, and a bool or a float would pass for an int."""
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"block must be an int block id, got {type(block).__name__} {block!r}")
+    if not 0 <= block < num_blocks:
+        raise ValueError(f"block {block} is outside [0, {num_blocks}): the cache has "
+                         f"{num_blocks} blocks")
+    return block
+
+
 class PrefixCache:
     """Hash table of full blocks plus the LRU list of those no sequence holds.
 
@@ -66,14 +77,7 @@ class PrefixCache:
         return block
 
     def _block(self, block) -> int:
-        """A block id in [0, num_blocks): list indexing would wrap -1 to the last block."""
-        if isinstance(block, bool) or not isinstance(block, int):
-            raise TypeError(f"block must be an int block id, got {type(block).__name__} "
-                            f"{block!r}")
-        if not 0 <= block < self.num_blocks:
-            raise ValueError(f"block {block} is outside [0, {self.num_blocks}): this cache has "
-                             f"{self.num_blocks} blocks")
-        return block
+        return check_block_id(block, self.num_blocks)
 
     def register(self, block: int, h: bytes, key: BlockKey) -> bool:
         """Make a just-filled block findable. The first block with a hash keeps it."""
