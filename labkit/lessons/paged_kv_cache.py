@@ -206,7 +206,8 @@ def block_map_widget(step: int = 0):
 
     def redraw(change=None):
         with output:
-            output.clear_output(wait=True)
+            if change is not None:  # a move in a live lab; never under papermill, where
+                output.clear_output(wait=True)  # clearing a captured output can hang nbclient
             display(show_block_map(slider.value))
 
     slider.observe(redraw, names="value")
