@@ -4,55 +4,99 @@
 
 1. causal prefill B4 H32 S4096 D128 bf16: ours vs SDPA (flash, cuDNN) and FlexAttention, TFLOP/s
 2. paged decode B64, 32 q heads over 8 KV heads, 4k context, D128, bf16, block 16: GB/s against
-   the device-copy bandwidth measured here, and against SDPA flash over contiguous KV
+   the device-copy bandwidth measured here, against SDPA flash and FlexAttention over contiguous
+   KV, and the fp8 (e4m3) cache at the same shape
 3. long-context decode, batch 1..4 at 32k tokens: the split-KV path against no split
-4. fp8 (e4m3) cache decode against bf16 at the shape of 2
-5. block size (16..256) x context sweep -> attention_block_sweep.csv
-``record()`` returns all of it as a JSON-serialisable dict (``make record``).
+4. block size (16..256) x context sweep -> attention_block_sweep.csv
+5. the registry's backends called as an engine calls them (input checks, paged gathers, masks
+   built per call) at the shapes of 1 and 2: wall time beside the profiler's GPU kernel time
+
+Within a section every peer is timed in the same interleaved rounds (A B C, A B C, ...), so a
+drift of the clocks lands on all of them; each keeps its per-round medians (``rounds_us``,
+round i of every peer ran together), its median and range. A ratio is taken within each round
+and reported with its range: ``ratio(a, b)``. A peer that cannot run here is kept with its error,
+never silently dropped. ``record()`` returns all of it as a JSON-serialisable dict
+(``make record``).
 """
 from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
 
 import labkit  # noqa: F401
-from labkit.measure.bench import gbps, measure, tflops
 from labkit.device import describe, fingerprint, free_memory, synchronize
+from labkit.measure.rounds import Spread, interleaved
 
 DEV = "cuda"
+ROUNDS = 5
 
 
-def _time(fn, repeats=20):
-    return measure(fn, device=DEV, warmup=3, repeats=repeats)
+def _error(exc: Exception) -> dict:
+    return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
-def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+def timed(peers: dict, rounds: int = ROUNDS, repeats: int = 20) -> dict:
+    """Every peer that runs here, timed in the same interleaved rounds: ``{label: {"us", "us_range",
+    "rounds_us"}}``; a peer whose first call raises is ``{"error": ...}``. The first call (and
+    the timer's warm-up) is outside the timed region: compiles and autotuning happen there."""
+    runnable, out = {}, {}
+    for label, make in peers.items():
+        try:
+            fn = make()  # builds the peer (a graph capture, a compile): may raise
+            fn()
+            synchronize(DEV)
+            runnable[label] = fn
+        except Exception as exc:  # noqa: BLE001 (report any peer failure)
+            print(f"  {label}: not available ({type(exc).__name__}: {str(exc)[:200]})")
+            out[label] = _error(exc)
+    if runnable:
+        result = interleaved(runnable, rounds=rounds, device=DEV, warmup=3, repeats=repeats)
+        for label in runnable:
+            s = result.us(label)
+            out[label] = {"us": s.median, "us_range": [s.low, s.high], "rounds_us": list(s.values)}
+    return {label: out[label] for label in peers}
+
+
+def ratio(a: dict, b: dict) -> Spread | None:
+    """a's time over b's, within each round (how many times faster b is), or None."""
+    if not (isinstance(a, dict) and isinstance(b, dict) and "rounds_us" in a and "rounds_us" in b):
+        return None
+    return Spread.of([x / y for x, y in zip(a["rounds_us"], b["rounds_us"])])
+
+
+def _add_rate(result: dict, amount: float, key: str, scale: float) -> None:
+    """``result[key]``: ``amount`` per second of its median (and per round), in units of ``scale``."""
+    if "us" in result:
+        result[key] = amount / (result["us"] * 1e-6) / scale
+        result[f"{key}_range"] = [amount / (hi * 1e-6) / scale for hi in result["us_range"][::-1]]
+
+
+def _now(fn):
+    """A peer launched from Python as it stands."""
+    return lambda: fn
+
+
+def _replayed(fn):
+    """A peer replayed from a CUDA Graph, like an engine's decode step: no launch cost."""
+    def make():
+        from labkit.graphs import capture_graph
+        graph, _ = capture_graph(fn)
+        return graph.replay
+    return make
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """GB/s of a device-to-device copy (read + write counted): the ceiling decode aims at."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=DEV).normal_()
     dst = torch.empty_like(src)
-    return gbps(2 * nbytes, _time(lambda: dst.copy_(src)))
-
-
-def _try(label, fn, graph: bool = False):
-    """A peer that cannot run here is reported as such, never silently dropped. ``graph``:
-    time it replayed from a CUDA Graph, like our decode kernel, so neither pays launch cost."""
-    try:
-        fn()
-        synchronize(DEV)
-        if graph:
-            from labkit.graphs import capture_graph
-            fn = capture_graph(fn)[0].replay
-        return _time(fn)
-    except Exception as exc:  # noqa: BLE001 (report any peer failure)
-        print(f"  {label}: not available ({type(exc).__name__}: {str(exc)[:120]})")
-        return None
+    res = timed({"copy": _now(lambda: dst.copy_(src))})["copy"]
+    _add_rate(res, 2 * nbytes, "gbps", 1e9)
+    return res
 
 
 def prefill(B=4, H=32, S=4096, D=128) -> dict:
@@ -73,28 +117,30 @@ def prefill(B=4, H=32, S=4096, D=128) -> dict:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return run
 
-    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, S, S, device=DEV)
-    flex = torch.compile(flex_attention, dynamic=False)
-    peers = {
+    def flex():  # the block mask is built once, as for a fixed shape; compiled on first call
+        mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, S, S, device=DEV)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        return lambda: compiled(q, k, v, block_mask=mask)
+
+    res = timed({
         # Engines build cu_seqlens themselves, so they skip the checks that read it (host syncs).
-        "triton (ours)": lambda: flash_attention(*packed, cu, cu, max_seqlen_q=S, check=False),
-        "ours, checked": lambda: flash_attention(*packed, cu, cu),
-        "ours, pointer loads": lambda: flash_attention(*packed, cu, cu, max_seqlen_q=S,
-                                                       check=False, tma=False),
-        "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
-        "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-        "flex": lambda: flex(q, k, v, block_mask=mask),
-    }
-    res = {}
-    for name, fn in peers.items():
-        t = _try(name, fn)
-        res[name] = None if t is None else {"us": t.median_us, "tflops": tflops(flops, t)}
-    ours = res["triton (ours)"]["us"]
-    print(f"causal prefill B{B} H{H} S{S} D{D} bf16")
+        "triton (ours)": _now(lambda: flash_attention(*packed, cu, cu, max_seqlen_q=S,
+                                                      check=False)),
+        "ours, checked": _now(lambda: flash_attention(*packed, cu, cu)),
+        "ours, pointer loads": _now(lambda: flash_attention(*packed, cu, cu, max_seqlen_q=S,
+                                                            check=False, tma=False)),
+        "sdpa flash": _now(sdpa(SDPBackend.FLASH_ATTENTION)),
+        "sdpa cudnn": _now(sdpa(SDPBackend.CUDNN_ATTENTION)),
+        "flex": flex,
+    })
+    for r in res.values():
+        _add_rate(r, flops, "tflops", 1e12)
+    print(f"causal prefill B{B} H{H} S{S} D{D} bf16, {ROUNDS} interleaved rounds")
     for name, r in res.items():
-        if r:
-            print(f"  {name:<20} {r['us']:>9.1f} us {r['tflops']:>6.1f} TFLOP/s   ours is "
-                  f"{r['us'] / ours:.2f}x its speed")
+        vs = ratio(r, res["triton (ours)"])
+        if vs is not None:
+            print(f"  {name:<20} {r['us']:>9.1f} us {r['tflops']:>6.1f} TFLOP/s   its time / "
+                  f"ours {vs:.2fx}")
     return res
 
 
@@ -120,119 +166,124 @@ def _paged_inputs(B, Hq, Hkv, ctx, D, block_size, cache_dtype=torch.bfloat16, se
     return (q, k_cache, v_cache, table, cu, seq_lens), scales, kv_bytes
 
 
-def _paged_time(args, scales, graph: bool = True, **kw):
+def _paged(args, scales=None, graph: bool = True, **kw):
     """Decode as an engine runs it: replayed from a CUDA Graph (``graph=False``: launched from
     Python, where a short call is bounded by the wrapper's host time, not by the GPU)."""
     from labkit.attention import paged_attention
-    from labkit.graphs import capture_graph
     kw = {"check": False, "max_query_len": 1, **kw}  # what an engine's decode step would pass
-    call = lambda: paged_attention(*args, **scales, **kw)  # noqa: E731
+    call = lambda: paged_attention(*args, **(scales or {}), **kw)
     if not graph or kw.get("check"):  # checked calls sync with the host: not capturable
-        return _time(call)
-    replay = capture_graph(call)[0].replay
-    return _time(replay)
+        return _now(call)
+    return _replayed(call)
 
 
 def decode(copy_gbps, B=64, Hq=32, Hkv=8, ctx=4096, D=128, block_size=16) -> dict:
+    """Every variant at one shape in one set of rounds, the fp8 cache included: the bf16 decode
+    the fp8 ratio divides by is the same measurement as ``auto``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
     args, _, kv_bytes = _paged_inputs(B, Hq, Hkv, ctx, D, block_size)
-    res = {"kv_bytes": kv_bytes, "copy_gbps": copy_gbps}
-    for label, kw in {"auto": {}, "auto, launched from Python": {"graph": False},
-                      "checked": {"check": True, "max_query_len": None},
-                      "split 2": {"num_splits": 2}, "split 4": {"num_splits": 4},
-                      "block_n 32": {"tuning": {"block_n": 32}},
-                      "block_n 128 w8": {"tuning": {"block_n": 128, "num_warps": 8}},
-                      "stages 4": {"tuning": {"num_stages": 4}},
-                      "stages 2": {"tuning": {"num_stages": 2}}}.items():
-        t = _paged_time(args, {}, **kw)
-        res[label] = {"us": t.median_us, "gbps": gbps(kv_bytes, t)}
+    fp8 = {}
+    if hasattr(torch, "float8_e4m3fn"):
+        fp8["fp8"] = _paged_inputs(B, Hq, Hkv, ctx, D, block_size, torch.float8_e4m3fn)
+    peers = {label: _paged(args, **kw) for label, kw in {
+        "auto": {}, "auto, launched from Python": {"graph": False},
+        "checked": {"check": True, "max_query_len": None},
+        "split 2": {"num_splits": 2}, "split 4": {"num_splits": 4},
+        "block_n 32": {"tuning": {"block_n": 32}},
+        "block_n 128 w8": {"tuning": {"block_n": 128, "num_warps": 8}},
+        "stages 4": {"tuning": {"num_stages": 4}},
+        "stages 2": {"tuning": {"num_stages": 2}}}.items()}
+    if fp8:
+        f_args, f_scales, _ = fp8["fp8"]
+        peers["fp8_e4m3"] = _paged(f_args, f_scales)
+        peers["fp8_e4m3_no_prefetch"] = _paged(f_args, f_scales, tuning={"prefetch": False})
     q = args[0].unsqueeze(2)  # [B, Hq, 1, D]
     k, v = (torch.randn(B, Hkv, ctx, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     F = torch.nn.functional
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        t = _try("sdpa flash (enable_gqa)",
-                 lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
-    if t is None:  # older torch: no GQA in the flash kernel, so give it the heads repeated
-        k, v = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+
+    def sdpa_gqa():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            t = _try("sdpa flash (kv repeated)",
-                     lambda: F.scaled_dot_product_attention(q, k, v), graph=True)
-    res["sdpa flash"] = None if t is None else {"us": t.median_us, "gbps": gbps(kv_bytes, t)}
-    print(f"paged decode B{B} GQA {Hq}/{Hkv} ctx {ctx} D{D} bf16 block {block_size}: "
-          f"copy bandwidth {copy_gbps:.0f} GB/s")
-    for name, r in res.items():
-        if isinstance(r, dict):
-            sd = res["sdpa flash"]
-            vs = f", sdpa flash time / ours {sd['us'] / r['us']:.2f}x" if sd else ""
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def flex():  # every key visible to the one query: no mask; compiled on first call
+        compiled = torch.compile(flex_attention, dynamic=False)
+        return lambda: compiled(q, k, v, enable_gqa=True)
+
+    peers["sdpa flash"] = _replayed(sdpa_gqa)
+    peers["flex"] = flex
+    res = {"kv_bytes": kv_bytes, "copy_gbps": copy_gbps, **timed(peers)}
+    for label in peers:
+        _add_rate(res[label], kv_bytes // (2 if label.startswith("fp8") else 1), "gbps", 1e9)
+        _add_rate(res[label], B, "tokens_per_s", 1)
+    print(f"paged decode B{B} GQA {Hq}/{Hkv} ctx {ctx} D{D} bf16 block {block_size}: copy "
+          f"bandwidth {copy_gbps:.0f} GB/s, {ROUNDS} interleaved rounds")
+    for name in peers:
+        r = res[name]
+        if "us" in r:
+            vs = ratio(res["sdpa flash"], r)
             print(f"  {name:<27} {r['us']:>8.1f} us {r['gbps']:>7.0f} GB/s = "
-                  f"{r['gbps'] / copy_gbps:.0%} of copy{vs}")
+                  f"{r['gbps'] / copy_gbps:.0%} of copy"
+                  + (f", sdpa flash time / its time {vs:.2fx}" if vs else ""))
+    return res
+
+
+def fp8_of(decode_res: dict) -> dict:
+    """The fp8 comparison, read from the decode section's rounds (one bf16 measurement)."""
+    bf16, f8, f8_np = (decode_res.get(k) for k in ("auto", "fp8_e4m3", "fp8_e4m3_no_prefetch"))
+    speedup, no_prefetch = ratio(bf16, f8), ratio(bf16, f8_np)
+    if speedup is None:
+        return {"error": (f8 or {}).get("error", "no fp8 cache decode measured")}
+    res = {"bf16": bf16, "fp8_e4m3": f8, "fp8_e4m3_no_prefetch": f8_np,
+           "bf16_is": "decode/auto", "speedup": speedup.median,
+           "speedup_range": [speedup.low, speedup.high]}
+    if no_prefetch is not None:
+        res["speedup_no_prefetch"] = no_prefetch.median
+        res["speedup_no_prefetch_range"] = [no_prefetch.low, no_prefetch.high]
+    print(f"fp8 cache decode: {f8['us']:.1f} us vs bf16 {bf16['us']:.1f} us = {speedup:.2fx}")
     return res
 
 
 def long_context(copy_gbps, ctx=32768, Hq=32, Hkv=8, D=128) -> dict:
     res = {}
-    print(f"long-context decode ctx {ctx} GQA {Hq}/{Hkv} D{D} bf16 block 16")
+    print(f"long-context decode ctx {ctx} GQA {Hq}/{Hkv} D{D} bf16 block 16, {ROUNDS} rounds")
     for B in (1, 2, 4):
         args, _, kv_bytes = _paged_inputs(B, Hq, Hkv, ctx, D, 16)
-        for label, kw in {"split (auto)": {}, "no split": {"num_splits": 1},
-                          "split, launched from Python": {"graph": False}}.items():
-            t = _paged_time(args, {}, **kw)
-            res[f"B{B} {label}"] = {"us": t.median_us, "gbps": gbps(kv_bytes, t)}
-            print(f"  B{B} {label:<28} {t.median_us:>8.1f} us {gbps(kv_bytes, t):>7.0f} GB/s "
-                  f"= {gbps(kv_bytes, t) / copy_gbps:.0%} of copy")
-    return res
-
-
-def fp8_decode(B=64, Hq=32, Hkv=8, ctx=4096, D=128, rounds=5) -> dict:
-    """bf16 against fp8 (e4m3) caches at one shape, and fp8 without the block-id prefetch.
-
-    The three are timed in turn, ``rounds`` times over, and each keeps its median round: the
-    fp8 kernel is bound by the SMs more than the bf16 one, so a drift in clocks during the run
-    would otherwise land on whichever was timed last."""
-    from labkit.attention import paged_attention
-    from labkit.graphs import capture_graph
-    variants = {}
-    for name, dt, tuning in (("bf16", torch.bfloat16, None),
-                             ("fp8_e4m3", torch.float8_e4m3fn, None),
-                             ("fp8_e4m3_no_prefetch", torch.float8_e4m3fn, {"prefetch": False})):
-        args, scales, kv_bytes = _paged_inputs(B, Hq, Hkv, ctx, D, 16, cache_dtype=dt)
-        call = functools.partial(paged_attention, *args, **scales, check=False,
-                                 max_query_len=1, tuning=tuning)
-        variants[name] = (capture_graph(call)[0].replay, kv_bytes, args)  # args: keep alive
-    rounds_us = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (replay, _, _) in variants.items():
-            rounds_us[name].append(_time(replay).median_us)
-    res = {}
-    for name, (_, kv_bytes, _) in variants.items():
-        us = statistics.median(rounds_us[name])
-        res[name] = {"us": us, "gbps": kv_bytes / (us * 1e-6) / 1e9,
-                     "tokens_per_s": B / (us * 1e-6), "rounds_us": rounds_us[name]}
-    res["speedup"] = res["bf16"]["us"] / res["fp8_e4m3"]["us"]
-    res["speedup_no_prefetch"] = res["bf16"]["us"] / res["fp8_e4m3_no_prefetch"]["us"]
-    spread = [b / f for b, f in zip(rounds_us["bf16"], rounds_us["fp8_e4m3"])]
-    res["speedup_range"] = [min(spread), max(spread)]
-    print(f"fp8 cache decode B{B} ctx {ctx}: {res['fp8_e4m3']['us']:.1f} us vs bf16 "
-          f"{res['bf16']['us']:.1f} us = {res['speedup']:.2f}x (rounds {min(spread):.2f}-"
-          f"{max(spread):.2f}x; without the block-id prefetch "
-          f"{res['fp8_e4m3_no_prefetch']['us']:.1f} us = {res['speedup_no_prefetch']:.2f}x)")
+        peers = {f"B{B} {label}": _paged(args, **kw) for label, kw in {
+            "split (auto)": {}, "no split": {"num_splits": 1},
+            "split, launched from Python": {"graph": False}}.items()}
+        for label, r in timed(peers).items():
+            _add_rate(r, kv_bytes, "gbps", 1e9)
+            res[label] = r
+            if "us" in r:
+                print(f"  {label:<32} {r['us']:>8.1f} us {r['gbps']:>7.0f} GB/s "
+                      f"= {r['gbps'] / copy_gbps:.0%} of copy")
+        free_memory(DEV)
     return res
 
 
 def block_sweep(copy_gbps, out_dir: Path | None, B=16, Hq=32, Hkv=8, D=128) -> list[dict]:
     rows = []
-    for block_size in (16, 32, 64, 128, 256):
-        for ctx in (1024, 4096, 16384):
-            args, _, kv_bytes = _paged_inputs(B, Hq, Hkv, ctx, D, block_size)
-            t = _paged_time(args, {})
-            rows.append({"block_size": block_size, "context": ctx, "batch": B,
-                         "us": round(t.median_us, 2), "gbps": round(gbps(kv_bytes, t), 1),
-                         "fraction_of_copy": round(gbps(kv_bytes, t) / copy_gbps, 3)})
+    for ctx in (1024, 4096, 16384):  # the block sizes of one context in the same rounds
+        inputs = {bs: _paged_inputs(B, Hq, Hkv, ctx, D, bs) for bs in (16, 32, 64, 128, 256)}
+        res = timed({bs: _paged(args) for bs, (args, _, _) in inputs.items()}, rounds=3)
+        for bs, (_, _, kv_bytes) in inputs.items():
+            r = res[bs]
+            if "us" not in r:
+                continue
+            _add_rate(r, kv_bytes, "gbps", 1e9)
+            rows.append({"block_size": bs, "context": ctx, "batch": B, "us": round(r["us"], 2),
+                         "us_low": round(r["us_range"][0], 2),
+                         "us_high": round(r["us_range"][1], 2), "gbps": round(r["gbps"], 1),
+                         "fraction_of_copy": round(r["gbps"] / copy_gbps, 3)})
+        del inputs
+        free_memory(DEV)
+    rows.sort(key=lambda r: (r["block_size"], r["context"]))
     print(f"block-size sweep (B{B} GQA {Hq}/{Hkv} D{D} bf16), GB/s:")
     for r in rows:
         print(f"  block {r['block_size']:>3} ctx {r['context']:>6}: {r['gbps']:>7.0f} GB/s "
               f"({r['fraction_of_copy']:.0%} of copy)")
-    if out_dir is not None:
+    if out_dir is not None and rows:
         with open(out_dir / "attention_block_sweep.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
@@ -240,28 +291,41 @@ def block_sweep(copy_gbps, out_dir: Path | None, B=16, Hq=32, Hkv=8, D=128) -> l
     return rows
 
 
-def run(out_dir: Path | None = None) -> dict:
+def registry() -> list[dict]:
+    """The registry's backends at the prefill and decode shapes, called as an engine calls them."""
+    from labkit.lessons.attention_backends import roofline as rl
+    from labkit.tools.recorded import json_columns
+    table = rl.registry_points([rl.prefill_workload(), rl.decode_workload()], DEV)
+    print(table.drop(columns=["timing"], errors="ignore").to_string())
+    return json_columns(table)
+
+
+def run(out_dir: Path | None = None, with_registry: bool = True) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU; on CPU see the recorded "
                          "figures: labkit.tools.recorded.load('attention_backends')")
     print(describe())
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    copy_gbps = copy_bandwidth()
-    results = {"copy_gbps": copy_gbps}
-    for name, step in (("prefill", prefill), ("decode", lambda: decode(copy_gbps)),
-                       ("long_context", lambda: long_context(copy_gbps)),
-                       ("fp8", fp8_decode),
-                       ("block_sweep", lambda: block_sweep(copy_gbps, out_dir))):
+    copy = copy_bandwidth()
+    copy_gbps = copy["gbps"]
+    results = {"copy_gbps": copy_gbps, "copy": copy, "rounds": ROUNDS}
+    steps = [("prefill", prefill), ("decode", lambda: decode(copy_gbps)),
+             ("fp8", lambda: fp8_of(results["decode"])),
+             ("long_context", lambda: long_context(copy_gbps)),
+             ("block_sweep", lambda: block_sweep(copy_gbps, out_dir))]
+    if with_registry:
+        steps.append(("registry", registry))
+    for name, step in steps:
         try:
             results[name] = step()
         except Exception as exc:  # noqa: BLE001  (one failed section must not hide the others)
             print(f"{name}: FAILED ({type(exc).__name__}: {exc})")
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            results[name] = _error(exc)
         free_memory(DEV)
     if out_dir is not None:
         (out_dir / "attention.json").write_text(json.dumps(
-            {"fingerprint": fingerprint(), "results": results}, indent=1))
+            {"fingerprint": fingerprint(), "results": results}, indent=1, default=str))
     return results
 
 

@@ -3,15 +3,16 @@ and placed on a roofline by the bytes it must move and the FLOPs it must do.
 
 An ``AttentionWorkload`` is a batch of sequences: ``lens_q`` new tokens over ``seq_lens`` keys
 each, run through the paged entry point (``paged=True``, a cache of ``block_size`` blocks) or
-the packed one (contiguous K/V). ``check_backends`` and ``time_backends`` return pandas tables;
+the packed one (contiguous K/V). ``check_backends`` and ``time_registry`` return pandas tables;
 ``tile_io`` and ``attention_io`` are the arithmetic behind FlashAttention's IO argument.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import pandas as pd
 import torch
@@ -19,7 +20,7 @@ import torch
 from labkit.attention.backends import BACKENDS, PRIORITY
 from labkit.attention.reference import flash_attention_ref, paged_attention_ref
 from labkit.attention.selection import AttentionSpec, reasons_against
-from labkit.measure.bench import measure
+from labkit.measure.rounds import interleaved
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 
@@ -134,20 +135,55 @@ def check_backends(w: AttentionWorkload, device: str = "cpu",
     return pd.DataFrame(rows)
 
 
-def time_backends(w: AttentionWorkload, device: str = "cpu", repeats: int = 5,
+def time_registry(w: AttentionWorkload, device: str = "cpu", *, rounds: int = 3,
+                  repeats: int = 5, warmup: int = 1,
                   names: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """Median time of each compatible backend, as TFLOP/s, GB/s and FLOPs per byte."""
+    """Each compatible backend of the registry called as an engine calls it (its input checks,
+    paged gathers and masks included), timed in the same interleaved rounds: the median wall
+    time with its range, as TFLOP/s, GB/s and FLOPs per byte. On a GPU the profiler's GPU kernel
+    time of one call sits beside it (``gpu_us``): where it is far below the wall time, the call
+    is bound by the host. A backend whose first call raises is a row with its ``error`` (a limit
+    shown, not a time)."""
     args, kw = w.make(device, 0)
-    rows = []
+    runnable, failed = {}, []
     for name in names or PRIORITY:
         if reasons_against(BACKENDS[name], w.spec(device)):
-            continue
-        t = measure(lambda: _run(name, w, args, kw), device=device, warmup=1, repeats=repeats)
-        seconds = t.median_us * 1e-6
-        rows.append({"backend": name, "us": t.median_us, "tflops": w.flops() / seconds / 1e12,
-                     "gbps": w.bytes_moved() / seconds / 1e9,
-                     "flops_per_byte": w.flops() / w.bytes_moved(), "timing": str(t)})
-    return pd.DataFrame(rows)
+            continue  # the compatibility matrix says why
+        call = functools.partial(_run, name, w, args, kw)
+        try:
+            call()  # first call outside the timed region: compiles and autotuning happen here
+            runnable[name] = call
+        except Exception as exc:  # noqa: BLE001 (a backend that fails is reported, not dropped)
+            failed.append({"workload": w.name, "backend": name,
+                           "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    rows = []
+    if runnable:
+        timed = interleaved(runnable, rounds=rounds, device=device, warmup=warmup,
+                            repeats=repeats)
+        for name, call in runnable.items():
+            s = timed.us(name)
+            gpu_us, kernels = _gpu_time(call, device)
+            seconds = s.median * 1e-6
+            rows.append({"workload": w.name, "backend": name, "us": s.median, "us_low": s.low,
+                         "us_high": s.high, "rounds": s.rounds, "gpu_us": gpu_us,
+                         "kernels": kernels, "tflops": w.flops() / seconds / 1e12,
+                         "gbps": w.bytes_moved() / seconds / 1e9,
+                         "flops_per_byte": w.flops() / w.bytes_moved(), "error": None})
+    return pd.DataFrame(rows + failed, columns=REGISTRY_COLUMNS)
+
+
+REGISTRY_COLUMNS = ["workload", "backend", "us", "us_low", "us_high", "rounds", "gpu_us",
+                    "kernels", "tflops", "gbps", "flops_per_byte", "error"]
+
+
+def _gpu_time(call, device: str) -> tuple[float | None, int | None]:
+    """GPU kernel time of one call (the union of its kernels on the profiler's GPU lanes) and its
+    kernel count; (None, None) on a CPU, where there is no GPU lane."""
+    if device != "cuda":
+        return None, None
+    from labkit.measure.profile import trace
+    summary = trace(call, device=device, warmup=0).summary
+    return summary.get("gpu_busy_us"), summary.get("kernel_count")
 
 
 def tile_io(block_m: int, block_n: int, head_dim: int, elem_bytes: int = 2) -> dict:

@@ -4,8 +4,9 @@ A kernel at ``I`` FLOPs per byte can go no faster than ``min(matmul rate, I x ba
 the roofline. Prefill sits far right (compute-bound), decode far left (bandwidth-bound).
 ``roofline_points`` places the results of ``benchmarks/attention.py`` (live, or recorded on a
 GPU) on it, using the bytes and FLOPs of the benchmark's shapes as ``AttentionWorkload``
-computes them; ``live_points`` times the registry's backends here. ``targets`` scores the
-results against the kernels' speed targets. Figures are plotly.
+computes them; ``registry_points`` times the registry's backends here, as an engine calls them.
+``targets`` scores the results against the kernels' speed targets (``TARGETS``), each with the
+range of its rounds. Figures are plotly.
 """
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from labkit.attention.backends import PRIORITY
-from labkit.lessons.attention_backends.compare import AttentionWorkload, attention_io, time_backends
+from labkit.lessons.attention_backends.compare import (
+    AttentionWorkload,
+    attention_io,
+    time_registry,
+)
+from labkit.measure.rounds import Spread
 
 # The shapes of benchmarks/attention.py (tests check that its defaults still match).
-PREFILL = dict(batch=4, heads=32, seq=4096, head_dim=128)
-DECODE = dict(batch=64, q_heads=32, kv_heads=8, context=4096, head_dim=128, block_size=16)
+PREFILL = {"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128}
+DECODE = {"batch": 64, "q_heads": 32, "kv_heads": 8, "context": 4096, "head_dim": 128, "block_size": 16}
 LONG_CONTEXT = 32768
 
 
@@ -57,11 +62,41 @@ def source_excerpt(obj, first: str, last: str | None = None) -> str:
     return "".join(f"{start + n:4d}  {lines[n]}" for n in range(i, j + 1))
 
 
-def _point(rows, workload: AttentionWorkload, label: str, result) -> None:
+def spread_of(result) -> Spread | None:
+    """A benchmark result's time in us over its rounds (one value where it was recorded without
+    rounds); None for a peer that did not run."""
     if not isinstance(result, dict) or "us" not in result:
+        return None
+    return Spread.of(result.get("rounds_us") or [result["us"]])
+
+
+def ratio_of(a, b) -> Spread | None:
+    """a's time over b's, taken within each round where both have rounds (how many times faster
+    b is); from the medians where either was recorded without rounds; None if either is absent."""
+    sa, sb = spread_of(a), spread_of(b)
+    if sa is None or sb is None:
+        return None
+    if sa.rounds == sb.rounds > 1:
+        return Spread.of([x / y for x, y in zip(sa.values, sb.values)])
+    return Spread.of([sa.median / sb.median])
+
+
+def fraction_of_copy(result, copy_gbps) -> Spread | None:
+    """A decode result's GB/s over the copy bandwidth, per round."""
+    s = spread_of(result)
+    if s is None or "gbps" not in result or not copy_gbps:
+        return None
+    kilobytes = result["gbps"] * result["us"]  # GB/s x us: the bytes it moved, fixed per call
+    return Spread.of([kilobytes / us / copy_gbps for us in s.values])
+
+
+def _point(rows, workload: AttentionWorkload, label: str, result) -> None:
+    s = spread_of(result)
+    if s is None:
         return  # a peer that could not run in the benchmark
-    seconds = result["us"] * 1e-6
-    rows.append({"workload": workload.name, "backend": label, "us": result["us"],
+    seconds = s.median * 1e-6
+    rows.append({"workload": workload.name, "backend": label, "us": s.median, "us_low": s.low,
+                 "us_high": s.high, "rounds": s.rounds,
                  "flops_per_byte": workload.flops() / workload.bytes_moved(),
                  "tflops": workload.flops() / seconds / 1e12,
                  "gbps": workload.bytes_moved() / seconds / 1e9})
@@ -71,35 +106,38 @@ def roofline_points(data: dict) -> pd.DataFrame:
     """One row per measured (workload, peer) of a ``benchmarks/attention.py`` result."""
     rows = []
     prefill = prefill_workload()
-    for peer, result in data.get("prefill", {}).items():
+    for peer, result in (data.get("prefill") or {}).items():
         _point(rows, prefill, peer, result)
     decode = decode_workload()
-    for peer in ("auto", "checked", "sdpa flash"):
+    for peer in ("auto", "checked", "sdpa flash", "flex"):
         _point(rows, decode, {"auto": "triton (ours)", "checked": "ours, checked"}.get(peer, peer),
-               data.get("decode", {}).get(peer))
+               (data.get("decode") or {}).get(peer))
     for batch in (1, 2, 4):
         long = decode_workload(batch, LONG_CONTEXT)
         for mode in ("split (auto)", "no split"):
-            result = data.get("long_context", {}).get(f"B{batch} {mode}")
+            result = (data.get("long_context") or {}).get(f"B{batch} {mode}")
             _point(rows, long, f"ours, {mode}", result)
-    _point(rows, decode_workload(kv_cache_dtype="fp8_e4m3"), "ours, fp8 cache",
-           data.get("fp8", {}).get("fp8_e4m3"))
+    fp8 = (data.get("decode") or {}).get("fp8_e4m3") or (data.get("fp8") or {}).get("fp8_e4m3")
+    _point(rows, decode_workload(kv_cache_dtype="fp8_e4m3"), "ours, fp8 cache", fp8)
     return pd.DataFrame(rows)
 
 
-def live_points(workloads: list[AttentionWorkload], device: str,
-                repeats: int = 5) -> pd.DataFrame:
-    """Every compatible backend of the registry timed on each workload, here and now."""
-    frames = []
-    for w in workloads:
-        for name in PRIORITY:
-            try:
-                df = time_backends(w, device, repeats=repeats, names=(name,))
-            except Exception as exc:  # noqa: BLE001  (report a backend that fails, keep the rest)
-                print(f"  {name} on {w.name}: failed ({type(exc).__name__}: {str(exc)[:120]})")
-                continue
-            frames.append(df.assign(workload=w.name))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+def unavailable(data: dict) -> pd.DataFrame:
+    """The benchmark's peers that could not run, with their errors: limits, shown as such."""
+    rows = [{"section": section, "peer": peer, "error": result["error"]}
+            for section in ("prefill", "decode", "long_context")
+            for peer, result in (data.get(section) or {}).items()
+            if isinstance(result, dict) and "error" in result]
+    return pd.DataFrame(rows, columns=["section", "peer", "error"])
+
+
+def registry_points(workloads: list[AttentionWorkload], device: str, *, rounds: int = 3,
+                    repeats: int = 5, warmup: int = 1) -> pd.DataFrame:
+    """Every compatible backend of the registry timed on each workload, here and now, called
+    as an engine calls it; a backend that raises is a row with its error."""
+    frames = [time_registry(w, device, rounds=rounds, repeats=repeats, warmup=warmup)
+              for w in workloads]
+    return pd.concat(frames, ignore_index=True)
 
 
 _SYMBOLS = ["circle", "square", "diamond", "triangle-up", "cross", "star", "x"]
@@ -113,18 +151,18 @@ def roofline_figure(points: pd.DataFrame, copy_gbps: float, matmul_tflops: float
     ridge = matmul_tflops * 1e3 / copy_gbps  # FLOPs per byte where the two ceilings meet
     xs = sorted({lo, ridge, hi})
     fig = go.Figure(go.Scatter(x=xs, y=[min(matmul_tflops, x * copy_gbps / 1e3) for x in xs],
-                               mode="lines", line=dict(color="gray", dash="dash"),
+                               mode="lines", line={"color": "gray", "dash": "dash"},
                                name=f"roof: {copy_gbps:,.0f} GB/s copy, "
                                     f"{matmul_tflops:,.1f} TFLOP/s matmul"))
     symbols = {w: s for w, s in zip(points.workload.unique(), _SYMBOLS * 4)}
     for backend, g in points.groupby("backend", sort=False):  # colour: backend; shape: workload
         fig.add_scatter(x=g.flops_per_byte, y=g.tflops, mode="markers", name=backend,
-                        marker=dict(size=12, symbol=[symbols[w] for w in g.workload]),
+                        marker={"size": 12, "symbol": [symbols[w] for w in g.workload]},
                         text=g.workload, hovertemplate="%{text}: %{x:.1f} FLOP/B, "
                                                        "%{y:.3g} TFLOP/s")
     for workload, symbol in symbols.items():  # legend entries for the shapes
         fig.add_scatter(x=[None], y=[None], mode="markers", name=f"shape: {workload}",
-                        marker=dict(size=10, symbol=symbol, color="gray"))
+                        marker={"size": 10, "symbol": symbol, "color": "gray"})
     fig.update_layout(title=title, xaxis_title="arithmetic intensity (FLOPs per HBM byte)",
                       yaxis_title="TFLOP/s", xaxis_type="log", yaxis_type="log", height=520)
     return fig
@@ -171,7 +209,8 @@ def _needs(section: str):
 
 @_needs("prefill")
 def prefill_figure(data: dict, matmul_tflops: float | None, subtitle: str = "") -> go.Figure:
-    rows = {k: v["tflops"] for k, v in data["prefill"].items() if isinstance(v, dict)}
+    rows = {k: v["tflops"] for k, v in data["prefill"].items()
+            if isinstance(v, dict) and "tflops" in v}
     p = PREFILL
     return _bars(rows, f"causal prefill B{p['batch']} H{p['heads']} S{p['seq']} "
                  f"D{p['head_dim']} bf16{subtitle}", "TFLOP/s",
@@ -182,9 +221,11 @@ def prefill_figure(data: dict, matmul_tflops: float | None, subtitle: str = "") 
 def decode_figure(data: dict, subtitle: str = "") -> go.Figure:
     d, copy = data["decode"], data["copy_gbps"]
     rows = {k: v["gbps"] for k, v in d.items() if isinstance(v, dict) and "gbps" in v}
+    need = TARGETS["decode: ours, fraction of copy bandwidth"]
     return _bars(rows, f"paged decode B{DECODE['batch']} GQA {DECODE['q_heads']}/"
                  f"{DECODE['kv_heads']} ctx {DECODE['context']} block {DECODE['block_size']}"
-                 f"{subtitle}", "KV GB/s", {"copy bandwidth": copy, "80% of copy": 0.8 * copy})
+                 f"{subtitle}", "KV GB/s",
+                 {"copy bandwidth": copy, f"target: {need:.0%} of copy": need * copy})
 
 
 @_needs("long_context")
@@ -192,9 +233,11 @@ def long_context_figure(data: dict, subtitle: str = "") -> go.Figure:
     lc, copy = data["long_context"], data["copy_gbps"]
     fig = go.Figure()
     for mode in ("split (auto)", "no split"):
-        keys = [k for k in lc if k.endswith(mode)]
+        keys = [k for k in lc if k.endswith(mode) and "gbps" in lc[k]]
         fig.add_bar(x=[k.split()[0] for k in keys], y=[lc[k]["gbps"] for k in keys], name=mode)
-    fig.add_hline(y=0.7 * copy, line_dash="dash", annotation_text="70% of copy bandwidth")
+    need = TARGETS["long context, split: fraction of copy bandwidth"]
+    fig.add_hline(y=need * copy, line_dash="dash",
+                  annotation_text=f"target: {need:.0%} of copy bandwidth")
     fig.update_layout(title=f"decode at {LONG_CONTEXT:,} tokens: split-KV vs one program per "
                       f"KV head{subtitle}", xaxis_title="batch", yaxis_title="KV GB/s",
                       height=420)
@@ -204,9 +247,11 @@ def long_context_figure(data: dict, subtitle: str = "") -> go.Figure:
 @_needs("fp8")
 def fp8_figure(data: dict, subtitle: str = "") -> go.Figure:
     f = data["fp8"]
-    rows = {k: v["tokens_per_s"] for k, v in f.items() if isinstance(v, dict)}
+    rows = {k: v["tokens_per_s"] for k, v in f.items() if isinstance(v, dict) and
+            "tokens_per_s" in v}
+    need = TARGETS["fp8 cache vs bf16 decode (speed ratio)"]
     return _bars(rows, f"decode throughput, bf16 vs fp8 (e4m3) KV cache{subtitle}",
-                 "tokens/s", {"1.6 x bf16 (target)": 1.6 * f["bf16"]["tokens_per_s"]})
+                 "tokens/s", {f"target: {need} x bf16": need * f["bf16"]["tokens_per_s"]})
 
 
 @_needs("block_sweep")
@@ -218,49 +263,71 @@ def block_sweep_figure(data: dict, subtitle: str = "") -> go.Figure:
     fig.add_hline(y=data["copy_gbps"], line_dash="dash", annotation_text="copy bandwidth")
     fig.update_layout(title=f"paged decode GB/s over block size, batch "
                       f"{sweep.batch.iloc[0]}{subtitle}", xaxis_title="block size (tokens)",
-                      xaxis=dict(type="log", tickvals=sorted(sweep.block_size.unique())),
+                      xaxis={"type": "log", "tickvals": sorted(sweep.block_size.unique())},
                       yaxis_title="KV GB/s", height=420)
     return fig
 
 
-def targets(data: dict) -> pd.DataFrame:
-    """The attention kernels' speed targets, each computed from ``data``; a missing result never
-    passes."""
-    def get(*path):
-        value = data
-        for key in path:
-            value = value.get(key) if isinstance(value, dict) else None
-        return value
+# The speed targets of the attention kernels, stated once: (required, "must" or "aim").
+TARGETS = {
+    "prefill: ours vs SDPA flash (speed ratio)": 1.2,
+    "prefill: ours vs FlexAttention (speed ratio)": 1.0,
+    "prefill: ours vs SDPA cuDNN (speed ratio)": 0.9,
+    "decode: ours, fraction of copy bandwidth": 0.8,
+    "decode: ours vs SDPA flash (speed ratio)": 1.3,
+    "long context, split: fraction of copy bandwidth": 0.7,
+    "fp8 cache vs bf16 decode (speed ratio)": 1.6,
+}
+AIMS = {"prefill: ours vs SDPA cuDNN (speed ratio)"}  # aimed at, not required
 
-    def ratio(a, b):
-        return a / b if a is not None and b else math.nan
+
+def verdict(spread: Spread | None, required: float) -> str:
+    """'met' only when every round clears the target; 'within noise' when the range straddles
+    it (the spread is as large as the margin); 'missed' when every round falls short."""
+    if spread is None:
+        return "not measured"
+    if spread.above(required):
+        return "met"
+    return "within noise" if spread.high >= required else "missed"
+
+
+def targets(data: dict) -> pd.DataFrame:
+    """The attention kernels' speed targets, each computed from ``data`` per round, with its
+    median, range and verdict; a missing result is never met."""
+    def get(section, peer):
+        value = data.get(section)
+        return value.get(peer) if isinstance(value, dict) else None
 
     copy = data.get("copy_gbps")
-    ours_us = get("prefill", "triton (ours)", "us")
-    rows = [
-        ("prefill: ours vs SDPA flash (speed ratio)", ratio(get("prefill", "sdpa flash", "us"),
-                                                            ours_us), 1.2, "must"),
-        ("prefill: ours vs FlexAttention", ratio(get("prefill", "flex", "us"), ours_us), 1.0,
-         "must"),
-        ("prefill: ours vs SDPA cuDNN", ratio(get("prefill", "sdpa cudnn", "us"), ours_us), 0.9,
-         "aim"),
-        ("decode: ours, fraction of copy bandwidth", ratio(get("decode", "auto", "gbps"), copy),
-         0.8, "must"),
-        ("decode: ours vs SDPA flash (speed ratio)", ratio(get("decode", "sdpa flash", "us"),
-                                                           get("decode", "auto", "us")), 1.3,
-         "must"),
-        *[(f"long context B{b}: split, fraction of copy bandwidth",
-           ratio(get("long_context", f"B{b} split (auto)", "gbps"), copy), 0.7, "must")
-          for b in (1, 2, 4)],
-        ("fp8 cache vs bf16 decode (speed ratio)", get("fp8", "speedup") or math.nan, 1.6,
-         "must"),
-    ]
-    df = pd.DataFrame(rows, columns=["target", "measured", "required", "kind"])
-    df["met"] = df.measured >= df.required  # NaN compares False: not measured is not met
+    ours = get("prefill", "triton (ours)")
+    decode = get("decode", "auto")
+    bf16 = decode if get("decode", "fp8_e4m3") else get("fp8", "bf16")
+    fp8 = get("decode", "fp8_e4m3") or get("fp8", "fp8_e4m3")
+    measured = {
+        "prefill: ours vs SDPA flash (speed ratio)": ratio_of(get("prefill", "sdpa flash"), ours),
+        "prefill: ours vs FlexAttention (speed ratio)": ratio_of(get("prefill", "flex"), ours),
+        "prefill: ours vs SDPA cuDNN (speed ratio)": ratio_of(get("prefill", "sdpa cudnn"), ours),
+        "decode: ours, fraction of copy bandwidth": fraction_of_copy(decode, copy),
+        "decode: ours vs SDPA flash (speed ratio)": ratio_of(get("decode", "sdpa flash"), decode),
+        **{f"long context B{b}, split: fraction of copy bandwidth":
+           fraction_of_copy(get("long_context", f"B{b} split (auto)"), copy) for b in (1, 2, 4)},
+        "fp8 cache vs bf16 decode (speed ratio)": ratio_of(bf16, fp8),
+    }
+    rows = []
+    for name, s in measured.items():
+        key = "long context, split: fraction of copy bandwidth" if name.startswith("long") else name
+        need = TARGETS[key]
+        rows.append({"target": name, "measured": s.median if s else math.nan,
+                     "low": s.low if s else math.nan, "high": s.high if s else math.nan,
+                     "rounds": s.rounds if s else 0, "required": need,
+                     "kind": "aim" if key in AIMS else "must", "verdict": verdict(s, need)})
+    df = pd.DataFrame(rows)
+    df["met"] = df.verdict == "met"
     return df
 
 
-def live_results() -> dict:
-    """Run ``benchmarks/attention.py`` here (a CUDA GPU): the same dict ``make record`` keeps."""
-    from labkit.tools.record import RECORDERS, resolve
-    return resolve(RECORDERS["attention_backends"]["kernels"])()
+def live_results(with_registry: bool = False) -> dict:
+    """Run ``benchmarks/attention.py`` here (a CUDA GPU): the dict ``make record`` keeps (the
+    notebook times the registry itself, so by default the benchmark leaves that section out)."""
+    from labkit.tools.record import resolve
+    return resolve("benchmarks.attention:run")(None, with_registry=with_registry)

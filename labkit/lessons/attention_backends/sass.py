@@ -37,14 +37,14 @@ GROUPS = [  # how notebook 06 groups the opcodes (first match wins)
     ("other shared-memory traffic", r"^(LDS|LDSM|STS|STSM)"),
     ("global loads and copies", r"^(LDG|LDGSTS|LDGDEPBAR|DEPBAR)"),
     ("float arithmetic", r"^(FADD|FMUL|FFMA|FMNMX|FSEL|MUFU|HMUL2|HADD2|HFMA2|F2FP)"),
-    ("integer, address and moves", r"^(IMAD|IADD3|SHF|LEA|LOP3|SEL|ISETP|VIADD|MOV|PRMT|SGXT|"
-                                   r"IABS|UIADD3|UISETP|USEL|ULEA|UMOV|PLOP3|P2R|R2P)"),
+    ("integer, address and moves", (r"^(IMAD|IADD3|SHF|LEA|LOP3|SEL|ISETP|VIADD|MOV|PRMT|SGXT|"
+                                   r"IABS|UIADD3|UISETP|USEL|ULEA|UMOV|PLOP3|P2R|R2P)")),
     ("barriers and branches", r"^(BAR|BRA|BSSY|BSYNC|WARPSYNC|SHFL)"),
 ]
 
 
 def _tools() -> Path:
-    import triton.backends.nvidia as nvidia
+    from triton.backends import nvidia
     folder = Path(nvidia.__file__).parent / "bin"
     if not (folder / "cuobjdump").exists():
         raise RuntimeError(f"no cuobjdump in {folder}: this Triton wheel does not carry NVIDIA's "
@@ -122,7 +122,7 @@ def decode_loops(head_dim: int = 128, group: int = 4, block_size: int = 16,
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     args = [sys.executable, "-m", "labkit.lessons.attention_backends.sass", str(head_dim), str(group),
             str(block_size), str(arch)]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode:
         raise RuntimeError(f"compiling the decode loop for sm_{arch} failed:\n"
                            f"{done.stderr[-3000:]}")
