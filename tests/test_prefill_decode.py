@@ -153,6 +153,10 @@ def test_measure_returns_a_point_per_shape_with_consistent_rates(tiny_model):
     assert list(points["shape"]) == ["prefill S=8", "decode B=2 ctx 8"]
     assert (points.ms > 0).all() and (points["mode"] == "eager").all()
     assert points.tflops.values == pytest.approx((points.flops / (points.ms * 1e-3) / 1e12).values)
+    assert (points.ms_low <= points.ms).all() and (points.ms <= points.ms_high).all()
+    assert (points.rounds == 3).all(), "each shape's cases timed in interleaved rounds"
+    assert (points.floor_low <= points.floor_ms).all() and (points.floor_ms > 0).all(), (
+        "the op-issue floor is timed in the same rounds as each shape")
 
 
 def test_graph_mode_on_cpu_says_what_to_compare_instead(tiny_model):
@@ -181,11 +185,22 @@ def test_graph_gain_divides_eager_by_replay():
     assert list(gain.speedup) == [3.0, 1.0]
 
 
-def test_overhead_share_is_the_floor_over_the_step_and_never_above_one():
-    table = pdc.overhead_table(_points([("d", "decode", 1.0, "eager", 0.5),
-                                        ("p", "prefill", 900.0, "eager", 20.0)]),
-                               {"decode": 1.0, "prefill": 1.0})
-    assert list(table.floor_share) == [1.0, 0.05]
+def test_overhead_share_is_the_floor_over_the_step_and_is_never_clipped():
+    points = _points([("d", "decode", 1.0, "eager", 0.5),
+                      ("p", "prefill", 900.0, "eager", 20.0)]).assign(floor_ms=1.0)
+    table = pdc.overhead_table(points)
+    assert list(table.floor_share) == [2.0, 0.05], "a floor above its step is shown, not hidden"
+    assert list(table.floor_over_step) == [True, False]
+
+
+def test_with_replays_an_eager_step_is_bounded_by_the_larger_of_host_and_gpu():
+    points = _points([("d", "decode", 1.0, "eager", 12.0), ("d", "decode", 1.0, "graph", 2.0),
+                      ("p", "prefill", 900.0, "eager", 25.0),
+                      ("p", "prefill", 900.0, "graph", 24.0)]).assign(floor_ms=11.0)
+    table = pdc.overhead_table(points).set_index("shape")
+    assert table.model_ms.tolist() == [11.0, 24.0], "max(floor, GPU time), not their sum"
+    assert table.bound.tolist() == ["host", "GPU"]
+    assert table.model_error["d"] == pytest.approx(12 / 11 - 1)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -214,7 +229,7 @@ def test_the_latency_sweep_rehearses_each_case_whole(tiny_model):
         return out
 
     llm.generate = counted
-    df = cp.latency_sweep(llm, [(3, 12)], max_tokens=5)
+    df = cp.latency_sweep(llm, [(3, 12)], max_tokens=5, rounds=1)
     cols = ["num_prefill_tokens", "num_decode_tokens"]
     history = llm.history_table()[cols]
     rehearsal, timed = history.iloc[ends[-3]:ends[-2]], history.iloc[ends[-2]:ends[-1]]
@@ -305,10 +320,13 @@ def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
     data = pdc.record("cpu", ModelConfig.tiny(), [pdc.prefill(16), pdc.decode(2, 16)], engine=dict(
         latency_batches=(1, 2), latency_prompt=8, latency_prompts=(4, 16), latency_batch=2,
         max_tokens=3, num_running=2, running_tokens=6, long_prompt=32, chunk_budget=8,
-        arrive_after=2, kv_cache_memory=None))
+        arrive_after=2, kv_cache_memory=None), rounds=3)
     data = json.loads(json.dumps(data, allow_nan=False))  # plain JSON, no NaN
-    assert {"config", "peaks", "points", "issue_floor_ms", "profiles", "engine",
-            "fused"} <= set(data)
+    assert {"config", "peaks", "points", "profiles", "engine", "fused",
+            "context_growth"} <= set(data)
+    assert "floor_ms" in data["points"], "each point's floor, timed in its rounds"
+    growth = data["context_growth"]
+    assert len(growth["ratio"]) == 3 and growth["bytes_ratio"] > 1, "one ratio a round"
     fused = pd.DataFrame(data["fused"]["points"])
     assert fused["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
     assert set(data["fused"]["profiles"]) == {"decode B=2 ctx 16"}
@@ -317,12 +335,13 @@ def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
     assert (gain.speedup == gain.ms / gain.ms_fused).all(), "speed-up: unfused time / fused"
     assert (gain.share_of_copy_fused == fused.gbps / 100.0).all()
     assert pd.DataFrame(data["points"])["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
-    assert set(data["issue_floor_ms"]) == {"prefill", "decode"}
     assert set(data["profiles"]) == {"prefill S=16", "decode B=2 ctx 16"}
     engine = data["engine"]
     assert len(engine["by_batch"]["batch"]) == 2 and len(engine["by_prompt"]["prompt_len"]) == 2
     on, off = (cp.Interference.from_dict(d) for d in engine["interference"])
     assert on.chunked and not off.chunked and off.budget == 32 + 2
+    assert not on.async_scheduling and not off.async_scheduling, "each step timed synchronised"
+    assert "prefill_steps" in engine["by_prompt"] and "ttft_low_ms" in engine["by_prompt"]
 
 
 def test_the_notebook_defaults_are_the_recorded_gpu_sizes():
@@ -360,7 +379,8 @@ def test_graph_replay_computes_the_eager_logits(gpu_model, shape):
 
 @pytest.mark.gpu
 def test_graph_replay_speeds_up_a_small_decode_step(gpu_model):
-    gain = pdc.graph_gain(pdc.time_forwards(gpu_model, [pdc.decode(1, 128)], pdc.MODES))
+    gain = pdc.graph_gain(pdc.time_forwards(gpu_model, [pdc.decode(1, 128)], pdc.MODES,
+                                            floor=False))
     assert gain.speedup.iloc[0] > 1.3, (
         f"a small decode step should be launch-bound eagerly; replay gave "
         f"{gain.speedup.iloc[0]:.2f}x")

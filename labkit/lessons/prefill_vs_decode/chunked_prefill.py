@@ -12,7 +12,7 @@ causes to everyone already decoding, with and without chunked prefill.
 
 Every function drives a real :class:`~labkit.engine.LLM` through ``generate`` or
 ``add_request`` + ``step``; ``record_engine`` runs them at H200 sizes for
-``prefill_decode.record``.
+``forward.record``.
 """
 from __future__ import annotations
 
@@ -43,39 +43,59 @@ def _warm_up(llm: LLM) -> None:
 
 
 def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 16,
-                  seed: int = 0) -> pd.DataFrame:
+                  seed: int = 0, rounds: int = 3, rehearse: bool = True) -> pd.DataFrame:
     """For each (batch, prompt_len): ``batch`` requests arriving at once; mean and worst TTFT,
-    mean TPOT (ms), and the Triton compiles that still happened inside the timed run (0 under
-    the interpreter; ``compiled`` names the kernels). Every case runs once untimed first, whole
-    (other token ids, as many tokens out): a GPU compiles Triton kernel variants for new shapes
-    on first use, and a TTFT must not include a compile (hundreds of ms on a GPU, far more than
-    the prefill it delays). A shorter rehearsal is not enough: with two tokens out, requests
-    never decode together in the step shapes of the timed run, and the larger cases (16+
-    requests, 1,024+ prompt tokens) would compile inside it. ``triton_compiles`` counts any
-    compile that still happens there."""
+    mean TPOT (ms), each the median over ``rounds`` interleaved rounds (every case once per
+    round, fresh token ids each time) with its range (``_low``/``_high``); ``prefill_steps``,
+    the engine steps that computed prompt tokens (the schedule TTFT waits for); and the Triton
+    compiles that still happened inside the timed runs (0 under the interpreter; ``compiled``
+    names the kernels). Every case runs once untimed first, whole (other token ids, as many
+    tokens out): a GPU compiles Triton kernel variants for new shapes on first use, and a TTFT
+    must not include a compile. A shorter rehearsal is not enough: with two tokens out, requests
+    never decode together in the step shapes of the timed run. ``rehearse=False`` skips it
+    where nothing compiles (Triton's interpreter)."""
     bad = [(n, c) for n, c in enumerate(cases) if min(c) < 1]
     if bad:
         raise ValueError(f"case {bad[0][0]}: batch and prompt_len must be >= 1, got {bad[0][1]}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     vocab = llm.config.vocab_size
     _warm_up(llm)
-    for n, (batch, prompt_len) in enumerate(cases):
+    for n, (batch, prompt_len) in enumerate(cases if rehearse else ()):
         llm.generate(random_prompts(batch, prompt_len, vocab, -2 - n),
                      SamplingParams(max_tokens=max_tokens))
+    runs: dict[int, list[dict]] = {n: [] for n in range(len(cases))}
+    for r in range(rounds):
+        for n, (batch, prompt_len) in enumerate(cases):
+            first = len(llm.step_history)
+            with TritonCompiles() as compiles:
+                outs = llm.generate(random_prompts(batch, prompt_len, vocab,
+                                                   seed + n + 1000 * r),
+                                    SamplingParams(max_tokens=max_tokens))
+            bad = [o.error for o in outs if not o.ok]
+            if bad:
+                raise ValueError(f"case (batch {batch}, prompt {prompt_len}) was refused: "
+                                 f"{bad[0]}")
+            steps = [h.stats for h in llm.step_history[first:]]
+            ttft = pd.Series([o.ttft_s for o in outs]) * 1e3
+            tpot = pd.Series([o.tpot_s for o in outs if o.tpot_s is not None]) * 1e3
+            runs[n].append({"ttft_ms": ttft.mean(), "ttft_max_ms": ttft.max(),
+                            "tpot_ms": tpot.mean() if len(tpot) else float("nan"),
+                            "prefill_steps": sum(s.num_prefill_tokens > 0 for s in steps),
+                            "compiles": compiles.count, "kernels": list(compiles.kernels)})
     rows = []
     for n, (batch, prompt_len) in enumerate(cases):
-        with TritonCompiles() as compiles:
-            outs = llm.generate(random_prompts(batch, prompt_len, vocab, seed + n),
-                                SamplingParams(max_tokens=max_tokens))
-        bad = [o.error for o in outs if not o.ok]
-        if bad:
-            raise ValueError(f"case (batch {batch}, prompt {prompt_len}) was refused: {bad[0]}")
-        ttft = pd.Series([o.ttft_s for o in outs]) * 1e3
-        tpot = pd.Series([o.tpot_s for o in outs if o.tpot_s is not None]) * 1e3
-        rows.append({"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
-                     "ttft_ms": ttft.mean(), "ttft_max_ms": ttft.max(),
-                     "tpot_ms": tpot.mean() if len(tpot) else float("nan"),
-                     "triton_compiles": compiles.count,
-                     "compiled": ", ".join(sorted(set(compiles.kernels)))})
+        per_round = pd.DataFrame(runs[n])
+        row = {"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
+               "rounds": rounds}
+        for col in ("ttft_ms", "ttft_max_ms", "tpot_ms"):
+            stem = col[:-3]
+            row.update({col: per_round[col].median(), f"{stem}_low_ms": per_round[col].min(),
+                        f"{stem}_high_ms": per_round[col].max()})
+        row.update({"prefill_steps": int(per_round.prefill_steps.max()),
+                    "triton_compiles": int(per_round.compiles.sum()),
+                    "compiled": ", ".join(sorted({k for ks in per_round.kernels for k in ks}))})
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -103,17 +123,46 @@ class Interference:
     steps: pd.DataFrame         # llm.history_table() rows of this run
     long_ttft_ms: float
     triton_compiles: int | None = None  # during the timed run (None: not counted)
+    # Async scheduling launches step N+1 before it reads step N's tokens, so a step's
+    # launch-to-tokens span then covers its neighbour's launch too (a recording made before
+    # the flag existed ran the engine's CUDA default: async).
+    async_scheduling: bool = True
 
     def to_dict(self) -> dict:
         """Plain JSON: missing values (an eager step's graph_batch) as None, not NaN."""
         return {"chunked": self.chunked, "budget": self.budget, "long_ttft_ms": self.long_ttft_ms,
                 "gaps": json_columns(self.gaps), "steps": json_columns(self.steps),
-                "triton_compiles": self.triton_compiles}
+                "triton_compiles": self.triton_compiles,
+                "async_scheduling": self.async_scheduling}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Interference":
         return cls(d["chunked"], d["budget"], pd.DataFrame(d["gaps"]), pd.DataFrame(d["steps"]),
-                   d["long_ttft_ms"], d.get("triton_compiles"))
+                   d["long_ttft_ms"], d.get("triton_compiles"), d.get("async_scheduling", True))
+
+    @property
+    def step_ms(self) -> pd.Series:
+        """Each step's time. Synchronous engine: from its synchronised start to its tokens read.
+        Async: the interval from the previous step's tokens to this one's (what a running
+        request waits), which includes launching the next step."""
+        if not self.async_scheduling:
+            return self.steps.duration_ms
+        ends = self.steps.start_ms + self.steps.duration_ms
+        return ends.diff().fillna(self.steps.duration_ms)
+
+    @property
+    def step_time_label(self) -> str:
+        return ("step ms (synchronised start to tokens)" if not self.async_scheduling else
+                "ms since the previous step's tokens (async)")
+
+    @property
+    def mixed(self) -> pd.Series:
+        """Steps that computed prompt tokens and decode tokens together."""
+        return (self.steps.num_prefill_tokens > 0) & (self.steps.num_decode_tokens > 0)
+
+    @property
+    def decode_only(self) -> pd.Series:
+        return (self.steps.num_prefill_tokens == 0) & (self.steps.num_decode_tokens > 0)
 
     @property
     def worst_gap_ms(self) -> float:
@@ -184,7 +233,7 @@ def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int 
     steps = llm.history_table().iloc[first_step:].reset_index(drop=True)
     return Interference(sched.enable_chunked_prefill, sched.max_num_batched_tokens,
                         pd.DataFrame(rows), steps, outputs[long_id].ttft_s * 1e3,
-                        compiles.count)
+                        compiles.count, llm.async_scheduling)
 
 
 def summary_table(runs: Sequence[Interference]) -> pd.DataFrame:
@@ -193,9 +242,10 @@ def summary_table(runs: Sequence[Interference]) -> pd.DataFrame:
         "steady gap (ms)": r.steady_gap_ms, "gap during the prefill (ms)": r.prefill_gap_ms,
         "worst gap after arrival (ms)": r.worst_gap_ms,
         "long prompt TTFT (ms)": r.long_ttft_ms, "steps": len(r.steps),
-        "Triton compiles in the run": r.triton_compiles,
-        "mixed steps": int(((r.steps.num_prefill_tokens > 0)
-                            & (r.steps.num_decode_tokens > 0)).sum())} for r in runs])
+        "Triton compiles in the run": r.triton_compiles, "mixed steps": int(r.mixed.sum()),
+        "median mixed step (ms)": r.step_ms[r.mixed].median() if r.mixed.any() else None,
+        "median decode-only step (ms)": r.step_ms[r.decode_only].median(),
+        "async scheduling": r.async_scheduling} for r in runs])
 
 
 def gaps_figure(runs: Sequence[Interference], title: str) -> go.Figure:
@@ -215,22 +265,23 @@ def gaps_figure(runs: Sequence[Interference], title: str) -> go.Figure:
 
 
 def composition_figure(runs: Sequence[Interference], title: str) -> go.Figure:
-    """Per step: prefill and decode tokens (stacked bars) and the step's time (line)."""
+    """Per step: prefill and decode tokens (stacked bars) and the step's time (line,
+    ``Interference.step_ms``: synchronised when the engine ran without async scheduling)."""
     fig = make_subplots(rows=len(runs), cols=1, specs=[[{"secondary_y": True}]] * len(runs),
                         subplot_titles=[f"chunked prefill {'on' if r.chunked else 'off'}, "
                                         f"budget {r.budget}" for r in runs])
-    top_ms = max(r.steps.duration_ms.max() for r in runs)  # one time scale for every run
+    top_ms = max(r.step_ms.max() for r in runs)  # one time scale for every run
     for i, r in enumerate(runs, start=1):
         s, first = r.steps, i == 1
         fig.add_bar(x=s.index, y=s.num_decode_tokens, name="decode tokens", row=i, col=1,
                     marker_color="#d62728", showlegend=first)
         fig.add_bar(x=s.index, y=s.num_prefill_tokens, name="prefill tokens", row=i, col=1,
                     marker_color="#1f77b4", showlegend=first)
-        fig.add_scatter(x=s.index, y=s.duration_ms, mode="lines+markers", name="step time",
+        fig.add_scatter(x=s.index, y=r.step_ms, mode="lines+markers", name="step time",
                         line=dict(color="black"), row=i, col=1, secondary_y=True,
                         showlegend=first)
         fig.update_yaxes(title_text="tokens (log)", type="log", row=i, col=1, secondary_y=False)
-        fig.update_yaxes(title_text="step ms", range=[0, 1.05 * top_ms], row=i, col=1,
+        fig.update_yaxes(title_text=r.step_time_label, range=[0, 1.05 * top_ms], row=i, col=1,
                          secondary_y=True, tickmode="auto", showgrid=False)
     fig.update_xaxes(title_text="step of the run")
     return fig.update_layout(title=title, barmode="stack", height=300 * len(runs) + 120)
@@ -241,10 +292,11 @@ def record_engine(model, *, latency_batches: Sequence[int] = (1, 4, 16, 64),
                       128, 512, 1024, 2048, 3072), latency_batch: int = 4, max_tokens: int = 32,
                   num_running: int = 16, running_tokens: int = 64, long_prompt: int = 3584,
                   chunk_budget: int = 512, arrive_after: int = 8,
-                  kv_cache_memory: int | None = 8 * 2**30) -> dict:
-    """The engine half of ``prefill_decode.record``: TTFT/TPOT sweeps (one LLM, default token
-    budget), then the interference run with chunked prefill on and off (an LLM each), all on
-    ``model``. Defaults: the H200 sizes for bench_1b."""
+                  kv_cache_memory: int | None = 8 * 2**30, rounds: int = 3) -> dict:
+    """The engine half of ``prefill_vs_decode.record``: TTFT/TPOT sweeps (one LLM, default
+    token budget, ``rounds`` interleaved rounds), then the interference run with chunked
+    prefill on and off (an LLM each, async scheduling off so each step's time is its own), all
+    on ``model``. Defaults: the H200 sizes for bench_1b."""
     import gc
 
     def engine(**kwargs) -> LLM:
@@ -252,12 +304,13 @@ def record_engine(model, *, latency_batches: Sequence[int] = (1, 4, 16, 64),
         return LLM(model, enable_prefix_caching=False, kv_cache_memory=kv_cache_memory, **kwargs)
 
     llm = engine(max_num_seqs=max(*latency_batches, latency_batch))
-    by_batch = latency_sweep(llm, [(b, latency_prompt) for b in latency_batches], max_tokens)
+    by_batch = latency_sweep(llm, [(b, latency_prompt) for b in latency_batches], max_tokens,
+                             rounds=rounds)
     by_prompt = latency_sweep(llm, [(latency_batch, n) for n in latency_prompts], max_tokens,
-                              seed=100)
+                              seed=100, rounds=rounds)
     del llm
     runs = [interference_run(engine(enable_chunked_prefill=chunked, max_num_batched_tokens=budget,
-                                    max_num_seqs=num_running + 1),
+                                    max_num_seqs=num_running + 1, async_scheduling=False),
                              num_running=num_running, running_tokens=running_tokens,
                              long_prompt_len=long_prompt, arrive_after_steps=arrive_after)
             for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running))]

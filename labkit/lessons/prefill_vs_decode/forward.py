@@ -195,20 +195,72 @@ def time_forward(model: LlamaModel, shape: ForwardShape, mode: str = "eager", *,
     return bench.measure(step, device=dev, warmup=warmup, repeats=repeats)
 
 
+def _issue_skeleton(model: LlamaModel) -> LlamaModel:
+    """The same layers and heads at head_dim 2 and width 2: its forward issues the real model's
+    ops with almost no arithmetic behind them."""
+    c = model.config
+    skeleton = ModelConfig(hidden_size=2 * c.num_attention_heads, intermediate_size=2,
+                           num_hidden_layers=c.num_hidden_layers, vocab_size=2, head_dim=2,
+                           num_attention_heads=c.num_attention_heads,
+                           num_key_value_heads=c.num_key_value_heads, torch_dtype=c.torch_dtype)
+    return random_model(skeleton, seed=0, device=model.embed_tokens.device,
+                        dtype=model.embed_tokens.dtype)
+
+
 def time_forwards(model: LlamaModel, shapes: Sequence[ForwardShape],
-                  modes: Sequence[str] = ("eager",), repeats: int = 10, *,
-                  fused_ops: bool | None = None) -> pd.DataFrame:
-    """Each shape in each mode: its time, FLOPs, bytes, and the TFLOP/s and GB/s it reached."""
+                  modes: Sequence[str] = ("eager",), repeats: int = 10, *, rounds: int = 3,
+                  fused_ops: Sequence[bool | None] = (None,), floor: bool = True
+                  ) -> pd.DataFrame:
+    """Each shape in each mode (and each ``fused_ops`` choice), timed in interleaved rounds:
+    per shape, every case once per round (eager, graph, fused eager, ..., and with ``floor``
+    the op-issue floor of its kind, :func:`op_issue_floor`), so a drift of the machine lands on
+    all of them alike. One row per (shape, mode, fused): ``ms`` is the median of the round
+    medians and ``ms_low``/``ms_high`` its range; TFLOP/s and GB/s at the median (their ranges
+    from ``ms_high``/``ms_low``); ``floor_ms`` (and its range) the floor timed in those rounds."""
+    from labkit.measure.rounds import interleaved
+
+    dev, skeleton = model.embed_tokens.device, _issue_skeleton(model) if floor else None
     rows = []
     for shape in shapes:
         cost = forward_cost(model.config, shape, model.embed_tokens.element_size())
-        for mode in modes:
-            timing = time_forward(model, shape, mode, repeats=repeats, fused_ops=fused_ops)
-            t = timing.median_us * 1e-6  # seconds
-            rows.append({**cost, "mode": mode, "ms": t * 1e3, "tflops": cost["flops"] / t / 1e12,
-                         "gbps": cost["bytes"] / t / 1e9})
-        free_memory(model.embed_tokens.device)  # a decode's cache can take tens of GB
+        cases, keep = {}, []  # keep: each graph reads its step's tensors, so keep the step
+        for fused in fused_ops:
+            for mode in modes:
+                cases[(mode, fused)], step = _runner(model, shape, mode, fused)
+                keep.append(step)
+        if floor:
+            cases["floor"] = forward_step(skeleton, ForwardShape(shape.kind, 1, 1, 1))
+        named = {str(k): v for k, v in cases.items()}
+        timed = interleaved(named, rounds=rounds, device=dev, repeats=repeats)
+        spread = {k: timed.us(str(k)) for k in cases}
+        fl = spread.get("floor")
+        for key in (k for k in cases if k != "floor"):
+            mode, fused = key
+            t = spread[key]
+            ms, lo, hi = t.median / 1e3, t.low / 1e3, t.high / 1e3
+            rows.append({**cost, "mode": mode, "fused": bool(fused), "ms": ms, "ms_low": lo,
+                         "ms_high": hi, "tflops": cost["flops"] / ms / 1e9,
+                         "tflops_low": cost["flops"] / hi / 1e9,
+                         "tflops_high": cost["flops"] / lo / 1e9,
+                         "gbps": cost["bytes"] / ms / 1e6, "rounds": t.rounds,
+                         **({"floor_ms": fl.median / 1e3, "floor_low": fl.low / 1e3,
+                             "floor_high": fl.high / 1e3} if fl is not None else {})})
+        del cases, named, keep
+        free_memory(dev)  # a decode's cache can take tens of GB
     return pd.DataFrame(rows)
+
+
+def _runner(model: LlamaModel, shape: ForwardShape, mode: str, fused_ops: bool | None):
+    """(the zero-argument call to time, the step it runs: keep it while a graph replays)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    step = forward_step(model, shape, fused_ops=fused_ops)
+    if mode == "eager":
+        return step, step
+    if model.embed_tokens.device.type != "cuda":
+        raise ValueError("mode='graph' needs the model on a CUDA device; on CPU compare "
+                         "'eager' with op_issue_floor() instead")
+    return capture_graph(step, warmup=2)[0].replay, step
 
 
 def graph_gain(points: pd.DataFrame) -> pd.DataFrame:
@@ -231,22 +283,40 @@ def fused_gain(points: pd.DataFrame, fused: pd.DataFrame, copy_gbps: float) -> p
 
 def op_issue_floor(model: LlamaModel, kind: str, repeats: int = 10) -> float:
     """ms to issue one forward's ops with almost no arithmetic (the same layers and heads at
-    head_dim 2, one token): paid by every eager step whatever its sizes, not by a replay."""
-    c = model.config
-    skeleton = ModelConfig(hidden_size=2 * c.num_attention_heads, intermediate_size=2,
-                           num_hidden_layers=c.num_hidden_layers, vocab_size=2, head_dim=2,
-                           num_attention_heads=c.num_attention_heads,
-                           num_key_value_heads=c.num_key_value_heads, torch_dtype=c.torch_dtype)
-    tiny = random_model(skeleton, seed=0, device=model.embed_tokens.device,
-                        dtype=model.embed_tokens.dtype)
+    head_dim 2, one token): what every eager step costs the host whatever its sizes, and what
+    a replay does not pay. ``time_forwards`` times it in the same rounds as the real steps."""
+    tiny = _issue_skeleton(model)
     return time_forward(tiny, ForwardShape(kind, 1, 1, 1), repeats=repeats).median_us / 1e3
 
 
-def overhead_table(points: pd.DataFrame, floors: dict[str, float]) -> pd.DataFrame:
-    """Per eager point: the floor's share of its time, the most a graph replay could save."""
-    eager = points[points["mode"] == "eager"][["shape", "kind", "flops_per_byte", "ms"]]
-    eager = eager.assign(issue_floor_ms=eager.kind.map(floors)).reset_index(drop=True)
-    return eager.assign(floor_share=(eager.issue_floor_ms / eager.ms).clip(upper=1.0))
+def overhead_table(points: pd.DataFrame) -> pd.DataFrame:
+    """Per eager point, what bounds it. ``points`` carries ``floor_ms`` (the op-issue floor
+    timed in the same rounds, see ``time_forwards``).
+
+    On a GPU launches are asynchronous: the host issues op i+1 while the GPU runs op i, so an
+    eager step takes about ``max(issue floor, GPU time)``, not their sum. A graph replay pays no
+    host issue, so its time is the GPU time. ``model_ms`` is that max, ``bound`` names the
+    larger term and ``model_error`` is eager / model - 1. Without a replay (a CPU, where the
+    same thread issues each op and then computes it) the two add up: ``floor_share`` is the
+    floor over the eager step, and a share above 1 means the floor did not measure issue cost
+    alone (it is kept, not clipped: ``floor_over_step`` marks it)."""
+    eager = points[points["mode"] == "eager"].reset_index(drop=True)
+    if "fused" in eager:
+        eager = eager[~eager.fused.astype(bool)].reset_index(drop=True)
+    out = eager[["shape", "kind", "flops_per_byte", "ms", "floor_ms"]].rename(
+        columns={"floor_ms": "issue_floor_ms"})
+    out["floor_share"] = out.issue_floor_ms / out.ms
+    out["floor_over_step"] = out.floor_share > 1
+    if "graph" in set(points["mode"]):
+        graph = points[points["mode"] == "graph"]
+        if "fused" in graph:
+            graph = graph[~graph.fused.astype(bool)]
+        gpu = out["shape"].map(graph.set_index("shape").ms)
+        out["gpu_ms"] = gpu
+        out["model_ms"] = pd.concat([out.issue_floor_ms, gpu], axis=1).max(axis=1)
+        out["bound"] = ["host" if f >= g else "GPU" for f, g in zip(out.issue_floor_ms, gpu)]
+        out["model_error"] = out.ms / out.model_ms - 1
+    return out
 
 
 # --------------------------------------------------------------------------- figures
@@ -297,11 +367,35 @@ GPU_SHAPES = (*[prefill(s) for s in (16, 64, 256, 1024, 4096)],
               *[decode(b, 1024) for b in (1, 4, 16, 64, 256)])
 
 
+def context_growth(model: LlamaModel, batch: int, context: int, factor: int = 4,
+                   mode: str = "eager", *, rounds: int = 5, repeats: int = 10) -> dict:
+    """A decode step of ``batch`` rows over ``context`` and ``factor`` times that, timed in
+    interleaved rounds in ``mode``: the time ratio (long / short, per round) beside how much
+    its bytes and its FLOPs grow."""
+    from labkit.measure.rounds import interleaved
+
+    longer = min(factor * context, model.config.max_position_embeddings)
+    shapes = {"short": decode(batch, context), "long": decode(batch, longer)}
+    runners = {k: _runner(model, s, mode, None) for k, s in shapes.items()}
+    timed = interleaved({k: r[0] for k, r in runners.items()}, rounds=rounds,
+                        device=model.embed_tokens.device, repeats=repeats)
+    cost = {k: forward_cost(model.config, s, model.embed_tokens.element_size())
+            for k, s in shapes.items()}
+    ratio = timed.ratio("long", "short")
+    return {"batch": batch, "context": context, "long_context": longer, "mode": mode,
+            "short_us": timed.us("short").values, "long_us": timed.us("long").values,
+            "ratio": ratio.values, "bytes_ratio": cost["long"]["bytes"] / cost["short"]["bytes"],
+            "flops_ratio": cost["long"]["flops"] / cost["short"]["flops"]}
+
+
 def record(device="cuda", config: ModelConfig | None = None,
-           shapes: Sequence[ForwardShape] | None = None, engine: dict | None = None) -> dict:
-    """`make record`: bench_1b (bf16) on the roofline eager and replayed, op-issue floors,
-    profiles of an eager decode and long prefill, the same points and decode profile with the
-    fused layer ops (``fused``), and ``chunked_prefill.record_engine``."""
+           shapes: Sequence[ForwardShape] | None = None, engine: dict | None = None,
+           rounds: int = 5) -> dict:
+    """`make record`: bench_1b (bf16) on the roofline eager and replayed, plain and with the
+    fused layer ops (``fused``), each shape's cases and its op-issue floor in ``rounds``
+    interleaved rounds; profiles of an eager decode and long prefill (and the fused decode);
+    a decode step's time against 4x its context (``context_growth``, replayed); and
+    ``chunked_prefill.record_engine``."""
     from labkit.lessons.prefill_vs_decode import chunked_prefill
     from labkit.measure import peaks
     from labkit.measure.profile import trace
@@ -309,16 +403,19 @@ def record(device="cuda", config: ModelConfig | None = None,
     dev, config = torch.device(device), config or ModelConfig.bench_1b()
     model = random_model(config, seed=0, device=dev)
     shapes = list(shapes or GPU_SHAPES)
-    points = time_forwards(model, shapes, MODES if dev.type == "cuda" else ("eager",))
+    modes = MODES if dev.type == "cuda" else ("eager",)
+    both = time_forwards(model, shapes, modes, rounds=rounds, fused_ops=(False, True))
+    points, fused_points = both[~both.fused], both[both.fused]
     prefills, decodes = ([s for s in shapes if s.kind == k] for k in KINDS)
     profiled = prefills[-1:] + decodes[:1]  # as listed: the longest prefill, smallest decode
-    modes = MODES if dev.type == "cuda" else ("eager",)
-    fused = {"points": time_forwards(model, shapes, modes, fused_ops=True).to_dict(orient="list"),
+    fused = {"points": fused_points.to_dict(orient="list"),
              "profiles": {s.name: trace(forward_step(model, s, fused_ops=True), device=dev).summary
                           for s in decodes[:1]}}
+    smallest = min(decodes, key=lambda s: s.batch)
     return {"config": config.to_dict(), "peaks": peaks.ceilings(dev, quick=dev.type != "cuda"),
             "points": points.to_dict(orient="list"), "fused": fused,
-            "issue_floor_ms": {k: op_issue_floor(model, k) for k in KINDS},
             "profiles": {s.name: trace(forward_step(model, s), device=dev).summary
                          for s in profiled},
+            "context_growth": context_growth(model, 16, smallest.context, 4, modes[-1],
+                                             rounds=rounds),
             "engine": chunked_prefill.record_engine(model, **(engine or {}))}
