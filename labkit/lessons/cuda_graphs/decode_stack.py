@@ -36,7 +36,9 @@ class DecodeLayer(nn.Module):
 
 
 class DecodeStack(nn.Module):
-    """``n_layers`` decode layers sharing one fixed KV cache of ``context`` tokens per row."""
+    """``n_layers`` decode layers sharing one fixed KV cache of ``context`` tokens per row;
+    ``stack(x, context=n)`` attends over the first ``n`` cached tokens only (a decode step at a
+    shorter context, the length a graph keyed by context bucket freezes)."""
 
     def __init__(self, n_layers: int = 8, width: int = 2048, n_heads: int = 16,
                  context: int = 256, max_batch: int = 256, mlp_width: int | None = None,
@@ -47,18 +49,27 @@ class DecodeStack(nn.Module):
         mlp_width = mlp_width or int(width * 8 / 3) // 64 * 64
         self.layers = nn.ModuleList(DecodeLayer(width, n_heads, mlp_width) for _ in range(n_layers))
         shape = (max_batch, n_heads, context, width // n_heads)
-        self.register_buffer("k_cache", torch.randn(shape) * 0.5, persistent=False)
-        self.register_buffer("v_cache", torch.randn(shape), persistent=False)
         self.to(device=device, dtype=dtype)
+        # drawn where they live: a cache of thousands of rows is gigabytes, slow to draw on a host
+        self.register_buffer("k_cache", torch.randn(shape, device=device, dtype=dtype) * 0.5,
+                             persistent=False)
+        self.register_buffer("v_cache", torch.randn(shape, device=device, dtype=dtype),
+                             persistent=False)
         for p in self.parameters():  # keep activations O(1) through the stack
             if p.dim() == 2:
                 nn.init.normal_(p, std=p.shape[1] ** -0.5)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = x.shape[0]
+    def forward(self, x: torch.Tensor, context: int | None = None) -> torch.Tensor:
+        # x: [batch, width] -> [batch, width]
+        b, cached = x.shape[0], self.k_cache.shape[2]
         if b > self.k_cache.shape[0]:
             raise ValueError(f"batch {b} > max_batch {self.k_cache.shape[0]} of this stack's cache")
+        context = cached if context is None else context
+        if not 1 <= context <= cached:
+            raise ValueError(f"context {context} must be between 1 and the {cached} tokens this "
+                             "stack caches per row")
+        k, v = self.k_cache[:b, :, :context], self.v_cache[:b, :, :context]
         for layer in self.layers:
-            x = layer(x, self.k_cache[:b], self.v_cache[:b])
+            x = layer(x, k, v)
         return x
