@@ -68,3 +68,26 @@ def test_a_notebook_with_no_claims_has_checked_nothing():
 
 def test_claim_is_reachable_as_the_issue_names_it():
     assert teaching.claim is claim and teaching.claims is claims
+
+
+def test_a_headless_run_collects_every_claim_in_its_log(tmp_path, monkeypatch):
+    import json
+
+    from labkit.teaching.truth import LOG_ENV
+    log = tmp_path / "claims.jsonl"
+    monkeypatch.setenv(LOG_ENV, str(log))
+    graph_claim(30.0, 10.0)
+    graph_claim(10.0, 30.0)
+    made = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [m["held"] for m in made] == [True, False]
+    assert made[1]["values"] == {"graph_us": 30.0, "gain": 10.0 / 30.0}
+
+
+def test_the_claims_summary_lists_every_notebooks_claims_and_what_failed(tmp_path):
+    from labkit.tools.run_notebooks import NotebookRun, write_claims
+    run = NotebookRun("01_x", "ok", 1.0, 1, 1, 10, "", 0, claims=[
+        {"claim": "A is fast.", "held": True, "checked": "measured here"},
+        {"claim": "B is slow.", "held": False, "checked": "Recorded on H200"}])
+    text = write_claims([run], tmp_path / "claims.md").read_text()
+    assert "01_x: 1 of 2 claims held" in text and "DID NOT HOLD: B is slow. (Recorded on H200)" in text
+    assert run.claims_failed == 1

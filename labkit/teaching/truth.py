@@ -15,6 +15,8 @@ The condition is a plain bool computed from the same values, so a test can pertu
 from __future__ import annotations
 
 import html
+import json
+import os
 import string
 from dataclasses import dataclass, field
 
@@ -22,6 +24,9 @@ import numpy as np
 import pandas as pd
 
 HELD, FAILED = "held", "did not hold"
+# Where a headless run (labkit.tools.run_notebooks) collects every claim its kernel makes, one
+# JSON line each, to list them beside the run's summary.
+LOG_ENV = "LABKIT_CLAIMS_LOG"
 
 
 @dataclass
@@ -85,6 +90,7 @@ def claim(text: str, holds, *, recorded=None, **values) -> Claim:
     c = Claim(text.format(**plain), held, plain,
               recorded.label if recorded is not None else "measured here")
     _CLAIMS.append(c)
+    _log(c)
     try:
         from IPython import get_ipython
         if get_ipython() is not None:
@@ -92,6 +98,14 @@ def claim(text: str, holds, *, recorded=None, **values) -> Claim:
     except ImportError:
         pass
     return c
+
+
+def _log(c: Claim) -> None:
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"claim": c.text, "held": c.held, "checked": c.source,
+                                "values": c.values}, default=str) + "\n")
 
 
 def claims() -> pd.DataFrame:

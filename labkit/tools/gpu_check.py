@@ -16,7 +16,7 @@ from pathlib import Path
 import labkit
 from labkit.device import describe, fingerprint, select_device
 from labkit.tools import REPO_ROOT as ROOT
-from labkit.tools.run_notebooks import execute, notebooks, summary_table
+from labkit.tools.run_notebooks import execute, notebooks, summary_table, write_claims
 
 
 def _step(name: str, cmd: list[str], out: Path, timeout_s: int) -> dict:
@@ -62,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
         table = summary_table(runs)
         (out / "notebooks.txt").write_text(table + "\n")
+        write_claims(runs, out / "claims.md")
         print(table, flush=True)
         steps += [{"step": f"notebook {r.notebook}", "rc": int(r.status != "ok"),
-                   "seconds": r.seconds} for r in runs]
+                   "seconds": r.seconds, "claims": len(r.claims),
+                   "claims_failed": r.claims_failed} for r in runs]
     if "benchmarks" not in args.skip:
         for bench in sorted((ROOT / "benchmarks").glob("*.py")):
             if args.benchmarks and bench.stem not in args.benchmarks:

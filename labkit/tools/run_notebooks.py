@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from labkit.device import fingerprint
+from labkit.teaching.truth import LOG_ENV
 from labkit.tools import NOTEBOOK_DIR
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -31,6 +33,11 @@ class NotebookRun:
     output: str
     size_bytes: int
     error: str = ""
+    claims: list = field(default_factory=list)  # every claim the run made, in order
+
+    @property
+    def claims_failed(self) -> int:
+        return sum(not c["held"] for c in self.claims)
 
 
 def notebooks(directory: Path = NOTEBOOK_DIR) -> list[Path]:
@@ -62,32 +69,59 @@ def execute(path: Path, out_dir: Path, parameters: dict, timeout_s: int = 1800) 
                          f"parameters cell has {sorted(declared_parameters(path))}")
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / path.name
+    log = out_dir / f"{path.stem}.claims.jsonl"
+    log.unlink(missing_ok=True)
     t0 = time.perf_counter()
     error = ""
+    before = os.environ.get(LOG_ENV)
+    os.environ[LOG_ENV] = str(log)  # the kernel papermill starts inherits it
     try:
         papermill.execute_notebook(str(path), str(out), parameters=parameters,
                                    kernel_name="python3", cwd=str(path.parent),
                                    execution_timeout=timeout_s, progress_bar=False)
     except Exception as e:  # papermill raises PapermillExecutionError with the cell's traceback
         error = f"{type(e).__name__}: {e}"
+    finally:
+        if before is None:
+            os.environ.pop(LOG_ENV, None)
+        else:
+            os.environ[LOG_ENV] = before
     seconds = time.perf_counter() - t0
+    made = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     nb = json.loads(out.read_text()) if out.exists() else {}
     meta = lab_metadata(nb)
     return NotebookRun(
         notebook=path.stem, status="failed" if error else "ok", seconds=round(seconds, 1),
         figures=count_figures(nb), expected_figures=int(meta.get("expected_figures", 0)),
         time_budget_s=meta.get("time_budget_s"), output=str(out),
-        size_bytes=out.stat().st_size if out.exists() else 0, error=error)
+        size_bytes=out.stat().st_size if out.exists() else 0, error=error, claims=made)
 
 
 def summary_table(runs: list[NotebookRun]) -> str:
-    lines = [f"{'notebook':<28} {'status':<7} {'seconds':>8} {'figures':>8} {'size':>9}"]
+    lines = [f"{'notebook':<28} {'status':<7} {'seconds':>8} {'figures':>8} {'size':>9} "
+             f"{'claims held':>12}"]
     for r in runs:
+        held = f"{len(r.claims) - r.claims_failed}/{len(r.claims)}"
         lines.append(f"{r.notebook:<28} {r.status:<7} {r.seconds:>8.1f} "
-                     f"{r.figures:>4}/{r.expected_figures:<3} {r.size_bytes / 1e3:>7.0f}kB")
+                     f"{r.figures:>4}/{r.expected_figures:<3} {r.size_bytes / 1e3:>7.0f}kB "
+                     f"{held:>12}")
     ok = sum(r.status == "ok" for r in runs)
     lines.append(f"{ok} passed, {len(runs) - ok} failed")
     return "\n".join(lines)
+
+
+def write_claims(runs: list[NotebookRun], path: Path) -> Path:
+    """Every claim of every run, notebook by notebook, as the learner read it."""
+    lines = []
+    for r in runs:
+        lines.append(f"## {r.notebook}: {len(r.claims) - r.claims_failed} of {len(r.claims)} "
+                     "claims held")
+        lines += [f"- {'held' if c['held'] else 'DID NOT HOLD'}: {c['claim']}"
+                  + ("" if c["checked"] == "measured here" else f" ({c['checked']})")
+                  for c in r.claims]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
     table = summary_table(runs)
     (args.out / "summary.txt").write_text(table + "\n")
+    write_claims(runs, args.out / "claims.md")
     print(table)
     return 0 if all(r.status == "ok" for r in runs) else 1
 
