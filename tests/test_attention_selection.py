@@ -10,6 +10,7 @@ from labkit.attention import (BACKENDS, CPU_SLOW, PRIORITY, AttentionSpec, Backe
                               compatibility_matrix, example_specs, explain,
                               flash_attention_ref, matrix_markdown, paged_attention_ref,
                               select_backend, selection_lines)
+from labkit.attention.matrix import limits_table
 
 GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 FP8 = dict(kv_cache_dtype="fp8_e4m3", kv_scale="per_kv_head")
@@ -121,14 +122,16 @@ def test_explain_gives_one_row_per_backend():
 
 
 def test_matrix_is_generated_from_the_declarations():
-    df = compatibility_matrix()
+    df = compatibility_matrix(whose=False)
     assert list(df.columns) == list(PRIORITY)
     assert set(df.index.get_level_values("category")) == {"model", "cache", "request", "graph",
                                                           "hardware"}
     assert df.loc[("model", "MLA")].eq("no").all()
     assert df.loc[("graph", "CUDA Graph capture"), "triton"] == "uniform decode"
     md = matrix_markdown()
-    assert md.count("\n") == len(df) + 1, "header, separator and one line per row"
+    matrix, limits = md.split("\n\n")
+    assert matrix.count("\n") == len(df) + 1, "header, separator and one line per row"
+    assert limits.count("\n") == len(limits_table()) + 1, "and one line per declared limit"
     assert "fp8_e4m3" in md
 
 

@@ -2,28 +2,54 @@
 
 A backend is not just an algorithm: it must match the model (heads, head_dim, window), the
 cache (dtype, scale granularity, block layout), the requests (mixed prefill/decode), the graph
-capture that is wanted and the hardware. Every backend states all of that here, once;
-``selection.py`` checks a spec against it and ``matrix.py`` prints it as a table.
+capture that is wanted and the hardware. Every backend states all of that here, once, and for
+what it cannot do, whose limit that is (``limits``: labkit's wrapper or kernel, or the library
+or hardware under it). ``selection.py`` checks a spec against it and ``matrix.py`` prints it.
 
 Every backend runs the same two calls, with the signatures of ``labkit.attention``:
 ``flash(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)`` and
 ``paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ...)``.
+
+The two PyTorch peers run a step as ONE batched call, not a loop over sequences: the batch's
+lengths come to the host once (one sync), the queries are padded to ``[B, Hq, Lq, D]`` and the
+keys gathered, in one indexing op, from the paged cache (or the packed tensor) into
+``[B, Hkv, Lk, D]``; ``PaddedBatch`` says which key slots each query sees.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Callable
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from labkit.attention.reference import (flash_attention_ref, gather_kv, paged_attention_ref,
-                                        visible_mask)
+from labkit.attention.reference import flash_attention_ref, paged_attention_ref
 
 GRAPH_SUPPORT = ("always", "uniform_decode", "never")
 ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
 ANY = None  # a field left ANY accepts every value
+# Whose limit a "no" is: labkit's code could lift the first two, not the last two.
+LIMITED_BY = ("labkit's wrapper", "labkit's kernel", "the library", "the hardware")
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Why a backend cannot do something (a check of the matrix), and whose limit it is."""
+    by: str   # one of LIMITED_BY
+    why: str
+
+    def __post_init__(self):
+        if self.by not in LIMITED_BY:
+            raise ValueError(f"a limit's party must be one of {LIMITED_BY}, got {self.by!r}")
+        if not isinstance(self.why, str) or not self.why.strip():
+            raise ValueError("a limit needs its reason (why)")
+
+    @property
+    def labkits(self) -> bool:
+        """labkit's own code sets this limit: a better wrapper or kernel would lift it."""
+        return self.by in LIMITED_BY[:2]
 
 
 @dataclass(frozen=True)
@@ -46,6 +72,8 @@ class Backend:
     min_compute_capability: tuple[int, int] | None = None
     fp8_min_compute_capability: tuple[int, int] | None = None
     notes: str = ""
+    # matrix check (its "check" label, e.g. "CUDA Graph capture") -> whose limit it is, and why
+    limits: dict[str, Limit] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if self.cuda_graphs not in GRAPH_SUPPORT:
@@ -53,6 +81,12 @@ class Backend:
         unknown = set(self.attention_kinds) - set(ATTENTION_KINDS)
         if unknown:
             raise ValueError(f"unknown attention kinds {unknown}; known: {ATTENTION_KINDS}")
+        wrong = [k for k, v in self.limits.items() if not isinstance(v, Limit)]
+        if wrong:
+            raise TypeError(f"limits {wrong} of {self.name!r} must be Limit(by, why)")
+
+    def limit(self, check: str) -> Limit | None:
+        return self.limits.get(check)
 
 
 # --- triton: ours ----------------------------------------------------------------------------
@@ -67,113 +101,275 @@ def _triton_paged(*args, **kwargs):
     return paged_attention(*args, **kwargs)
 
 
-# --- sdpa: PyTorch's scaled_dot_product_attention, one sequence at a time ---------------------
+# --- the padded batch that sdpa and flex run on ------------------------------------------------
 
-def _sdpa_one(q, k, v, *, causal, window, scale):
-    """q: [len_q, Hq, D], k/v: [len_k, Hkv, D] -> [len_q, Hq, D] through F.sdpa."""
-    len_q, len_k = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D]
-    if group > 1:
-        k4, v4 = k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1)
-    mask, is_causal = None, False
-    if causal and window is None and len_q == len_k:
-        is_causal = True  # SDPA's own causal flag aligns top-left: right only when lengths match
-    elif causal or window is not None:
-        mask = visible_mask(len_q, len_k, causal=causal, window=window, device=q.device)
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=is_causal,
-                                         scale=scale)
-    return out[0].transpose(0, 1).nan_to_num(0.0)  # a query that sees nothing gives zeros
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A varlen step as one padded batch, from its lengths on the host.
+
+    Query row ``i`` of sequence ``b`` sits at position ``lens_k[b] - lens_q[b] + i`` (the
+    causal mask is end-aligned, as in ``reference``). Key slot ``j`` holds key position
+    ``j + offset[b]``: offset 0 (left-aligned), except at decode (every ``lens_q`` is 1),
+    where the keys are right-aligned so that a window gathers only its last ``window`` keys.
+    """
+    lens_q: tuple[int, ...]
+    lens_k: tuple[int, ...]
+    causal: bool
+    window: int | None
+
+    @property
+    def decode(self) -> bool:
+        """Every sequence brings one new token: a uniform single-token decode batch."""
+        return bool(self.lens_q) and all(n == 1 for n in self.lens_q)
+
+    @property
+    def q_width(self) -> int:
+        return max(self.lens_q, default=0)
+
+    @property
+    def k_width(self) -> int:
+        longest = max(self.lens_k, default=0)
+        return min(longest, self.window) if self.decode and self.window else longest
+
+    @property
+    def empty(self) -> bool:
+        return self.q_width == 0 or self.k_width == 0
+
+    @property
+    def needs_mask(self) -> bool:
+        """False where SDPA needs no mask: each query sees every key slot it is given (decode
+        with no padding), or the lengths are equal and SDPA's own causal flag is right."""
+        if self.decode:  # a single query sees all its keys: only padding needs a mask
+            return min(self.lens_k) < self.k_width
+        if len(set(self.lens_q)) > 1 or len(set(self.lens_k)) > 1:
+            return True
+        len_q, len_k = self.lens_q[0], self.lens_k[0]
+        if self.window is not None and self.window < len_k:
+            return True
+        return self.causal and len_q != len_k  # SDPA's is_causal aligns top-left
+
+    @property
+    def is_causal(self) -> bool:
+        """Unmasked and causal over square sequences: SDPA's is_causal=True is the mask."""
+        return not self.needs_mask and self.causal and not self.decode
+
+    def offsets(self, lens_k: torch.Tensor) -> torch.Tensor:
+        """[B] int64: the key position held in slot 0 of each sequence."""
+        lens_k = lens_k.to(torch.int64)
+        return lens_k - self.k_width if self.decode else torch.zeros_like(lens_k)
+
+    def key_positions(self, lens_k: torch.Tensor) -> torch.Tensor:
+        """[B, k_width] int64 key positions to gather, clamped into each sequence (the slots
+        past its end read its own last key, which the mask then hides)."""
+        lens_k = lens_k.to(torch.int64)
+        pos = torch.arange(self.k_width, device=lens_k.device) + self.offsets(lens_k)[:, None]
+        return pos.clamp(min=0).minimum((lens_k - 1).clamp(min=0)[:, None])
+
+
+def visibility(lens_q: torch.Tensor, lens_k: torch.Tensor, offsets: torch.Tensor, *,
+               causal: bool, window: int | None):
+    """mask_mod(b, h, q_idx, kv_idx) -> bool: does query row q_idx of sequence b see key slot
+    kv_idx. A FlexAttention mask_mod as it stands; called on broadcast aranges it is SDPA's
+    dense mask. It closes over tensors and the two flags only, so a new batch with the same
+    flags does not recompile a compiled flex_attention."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        len_q, len_k = lens_q[b], lens_k[b]
+        key, query = kv_idx + offsets[b], q_idx + len_k - len_q
+        ok = (q_idx < len_q) & (key >= 0) & (key < len_k)
+        if causal:
+            ok = ok & (key <= query)
+        if window is not None:
+            ok = ok & (key > query - window)
+        return ok
+    return mask_mod
+
+
+def sees_a_key(batch: PaddedBatch, lens_q: torch.Tensor, lens_k: torch.Tensor) -> torch.Tensor:
+    """[B, q_width] bool: query rows that see at least one key (the rest return zeros)."""
+    lens_q, lens_k = lens_q.to(torch.int64)[:, None], lens_k.to(torch.int64)[:, None]
+    i = torch.arange(batch.q_width, device=lens_q.device)[None, :]
+    query = i + lens_k - lens_q
+    hi = torch.minimum(lens_k, query + 1) if batch.causal else lens_k.expand_as(query)
+    lo = (query - batch.window + 1).clamp(min=0) if batch.window else torch.zeros_like(query)
+    return (i < lens_q) & (hi > lo)
+
+
+def _host_lengths(lens_q: torch.Tensor, lens_k: torch.Tensor) -> tuple[tuple, tuple]:
+    """Both length vectors on the host in ONE transfer: the padded shapes depend on them."""
+    if lens_q.numel() != lens_k.numel():
+        raise ValueError(f"cu_seqlens_q describes {lens_q.numel()} sequences but the key "
+                         f"lengths {lens_k.numel()}; pass one entry per sequence to both")
+    both = torch.cat([lens_q.reshape(-1), lens_k.reshape(-1)]).tolist()
+    n = lens_q.numel()
+    return tuple(both[:n]), tuple(both[n:])
+
+
+def _pad_queries(q, cu_seqlens_q, lens_q, batch: PaddedBatch):
+    """q [total_q, Hq, D] -> [B, Hq, q_width, D] and the (sequence, row) of every packed token."""
+    num_seqs = len(batch.lens_q)
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), lens_q.long(),
+                                  output_size=q.shape[0])
+    row = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q.long()[seq]
+    padded = q.new_zeros(num_seqs, batch.q_width, *q.shape[1:])
+    padded[seq, row] = q
+    return padded.transpose(1, 2), (seq, row)
+
+
+def _read_paged(k_cache, v_cache, block_tables):
+    """Key positions [B, L] -> K, V [B, Hkv, L, D]: one gather through the block tables."""
+    block_size = k_cache.shape[1]
+
+    def read(pos):
+        col = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+        blocks = block_tables.long().gather(1, col).clamp(0, k_cache.shape[0] - 1)
+        rows = pos % block_size
+        return k_cache[blocks, rows].transpose(1, 2), v_cache[blocks, rows].transpose(1, 2)
+    return read
+
+
+def _read_packed(k, v, cu_seqlens_k):
+    def read(pos):
+        rows = (cu_seqlens_k[:-1].long()[:, None] + pos).clamp(0, max(k.shape[0] - 1, 0))
+        return k[rows].transpose(1, 2), v[rows].transpose(1, 2)
+    return read
+
+
+# --- sdpa: PyTorch's scaled_dot_product_attention, one call per step ---------------------------
+
+def sdpa_call(batch: PaddedBatch) -> str:
+    """Which SDPA call the wrapper makes for this batch (what rules the kernels in or out)."""
+    if batch.empty:
+        return "none: no query sees a key (zeros)"
+    if batch.decode and not batch.needs_mask:
+        return "decode: enable_gqa, no mask (the flash kernel may serve it)"
+    if batch.decode:
+        return ("decode with padding: query heads folded onto their KV head, one boolean "
+                "padding mask (no GQA flag needed; rules out the flash kernel)")
+    if not batch.needs_mask:
+        return f"equal lengths: enable_gqa, is_causal={batch.is_causal}, no mask"
+    return "varlen: enable_gqa, one boolean mask (causal + window + padding)"
+
+
+def _sdpa(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
+    batch = PaddedBatch(*_host_lengths(lens_q, lens_k), bool(causal), window)
+    if batch.empty:
+        return torch.zeros_like(q)
+    k, v = read(batch.key_positions(lens_k))  # [B, Hkv, Lk, D]
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    gqa = num_q_heads != num_kv_heads
+    mask_mod = visibility(lens_q, lens_k, batch.offsets(lens_k), causal=causal, window=window)
+    if batch.decode:
+        if not batch.needs_mask:  # equal lengths: one query sees all its keys, no mask at all
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale,
+                                                 enable_gqa=gqa)
+            return out.squeeze(2).contiguous()
+        # A mask with enable_gqa leaves SDPA few kernels; at q_len 1 the query heads of one KV
+        # head share its mask row, so they become that head's queries: [B, Hkv, group, D].
+        seqs = torch.arange(len(batch.lens_q), device=q.device)[:, None]
+        mask = mask_mod(seqs, None, 0, torch.arange(batch.k_width, device=q.device)[None, :])
+        grouped = q.unflatten(1, (num_kv_heads, num_q_heads // num_kv_heads))
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask[:, None, None],
+                                             scale=scale)
+        out = out.where(mask.any(-1)[:, None, None, None], 0.0)  # sees nothing: zeros
+        return out.flatten(1, 2)
+    q4, (seq, row) = _pad_queries(q, cu_seqlens_q, lens_q, batch)
+    if batch.needs_mask:
+        dev = q.device
+        mask = mask_mod(torch.arange(len(batch.lens_q), device=dev)[:, None, None], None,
+                        torch.arange(batch.q_width, device=dev)[None, :, None],
+                        torch.arange(batch.k_width, device=dev)[None, None, :])
+        out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=gqa)
+        out = out.where(mask.any(-1)[:, None, :, None], 0.0)
+    else:
+        out = F.scaled_dot_product_attention(q4, k, v, is_causal=batch.is_causal, scale=scale,
+                                             enable_gqa=gqa)
+    return out.transpose(1, 2)[seq, row]
 
 
 def _sdpa_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None):
-    out = torch.zeros_like(q)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        if cq[b + 1] > cq[b]:
-            out[cq[b]:cq[b + 1]] = _sdpa_one(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]],
-                                             v[ck[b]:ck[b + 1]], causal=causal, window=window,
-                                             scale=scale)
-    return out
+    return _sdpa(q, cu_seqlens_q, cu_seqlens_q.diff(), cu_seqlens_k.diff(),
+                 _read_packed(k, v, cu_seqlens_k), causal=causal, window=window, scale=scale)
 
 
 def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
                 window=None, scale=None, k_scale=None, v_scale=None):
     if k_scale is not None or v_scale is not None:
         raise ValueError("the sdpa backend has no fp8 cache support")
-    out = torch.zeros_like(q)
-    cq = cu_seqlens_q.tolist()
-    for b, n in enumerate(seq_lens.tolist()):
-        if cq[b + 1] > cq[b]:  # gathering the blocks into contiguous KV is the price of SDPA
-            k = gather_kv(k_cache, block_tables[b], n, compute_dtype=q.dtype)
-            v = gather_kv(v_cache, block_tables[b], n, compute_dtype=q.dtype)
-            out[cq[b]:cq[b + 1]] = _sdpa_one(q[cq[b]:cq[b + 1]], k, v, causal=causal,
-                                             window=window, scale=scale)
-    return out
+    return _sdpa(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
+                 _read_paged(k_cache, v_cache, block_tables), causal=causal, window=window,
+                 scale=scale)
 
 
-# --- flex: FlexAttention with a document mask over the packed batch ---------------------------
+# --- flex: FlexAttention over the same padded batch, a block mask per batch shape -------------
 
 _compiled_flex = {}  # device type -> flex_attention, compiled once on a GPU
+FLEX_MASK_CACHE = 32  # block masks kept: one step's layers share one; a repeated batch reuses it
+_block_masks: OrderedDict = OrderedDict()
 
 
-def _flex_fn(device: torch.device):
+def flex_attention_for(device: torch.device):
+    """flex_attention as this wrapper calls it on ``device``."""
     from torch.nn.attention.flex_attention import flex_attention
     if device.type != "cuda":
         return flex_attention  # eager: unfused, but the same semantics
     if "cuda" not in _compiled_flex:
-        _compiled_flex["cuda"] = torch.compile(flex_attention, dynamic=False)
+        # dynamic=True: batch, query and key lengths are symbols, so a new step's lengths reuse
+        # the compiled kernel instead of recompiling until Dynamo's limit.
+        _compiled_flex["cuda"] = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex["cuda"]
 
 
-def flex_block_mask(cu_seqlens_q, cu_seqlens_k, *, causal, window):
-    """Each packed query sees only keys of its own sequence, end-aligned causal, windowed."""
+def flex_block_mask(batch: PaddedBatch, lens_q: torch.Tensor, lens_k: torch.Tensor):
+    """The BlockMask of ``batch``, built once per batch shape (lengths, flags, device) and kept
+    in a small LRU: every layer of one engine step asks for the same one."""
     from torch.nn.attention.flex_attention import create_block_mask
-    dev = cu_seqlens_q.device
-    lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
-    batch = torch.arange(lens_q.numel(), device=dev)
-    doc_q, doc_k = batch.repeat_interleave(lens_q), batch.repeat_interleave(lens_k)
-    q_pos = (torch.arange(doc_q.numel(), device=dev) - cu_seqlens_q[doc_q]
-             + (lens_k - lens_q)[doc_q])
-    k_pos = torch.arange(doc_k.numel(), device=dev) - cu_seqlens_k[doc_k]
-
-    def mask_mod(b, h, qi, ki):
-        ok = doc_q[qi] == doc_k[ki]
-        if causal:
-            ok = ok & (k_pos[ki] <= q_pos[qi])
-        if window is not None:
-            ok = ok & (k_pos[ki] > q_pos[qi] - window)
-        return ok
-
-    return create_block_mask(mask_mod, None, None, doc_q.numel(), doc_k.numel(), device=dev)
+    key = (str(lens_q.device), batch)
+    if key in _block_masks:
+        _block_masks.move_to_end(key)
+        return _block_masks[key]
+    # Own copies: a caller may refill its length buffers, and the cached mask_mod reads these.
+    lens_q, lens_k = (t.to(torch.int64, copy=True) for t in (lens_q, lens_k))
+    mask_mod = visibility(lens_q, lens_k, batch.offsets(lens_k), causal=batch.causal,
+                          window=batch.window)
+    mask = create_block_mask(mask_mod, len(batch.lens_q), None, batch.q_width, batch.k_width,
+                             device=lens_q.device)
+    _block_masks[key] = mask
+    while len(_block_masks) > FLEX_MASK_CACHE:
+        _block_masks.popitem(last=False)
+    return mask
 
 
-def _flex_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None,
-                block_mask=None):
-    if q.shape[0] == 0 or k.shape[0] == 0:
+def _flex(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
+    batch = PaddedBatch(*_host_lengths(lens_q, lens_k), bool(causal), window)
+    if batch.empty:
         return torch.zeros_like(q)
-    block_mask = block_mask or flex_block_mask(cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                               window=window)
-    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    k, v = read(batch.key_positions(lens_k))
+    if batch.decode:
+        q4, unpad = q.unsqueeze(2), None
+    else:
+        q4, unpad = _pad_queries(q, cu_seqlens_q, lens_q, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile" on CPU: known, fine
-        out = _flex_fn(q.device)(q4, k4, v4, block_mask=block_mask, scale=scale,
-                                 enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1).contiguous()
+        out = flex_attention_for(q.device)(q4, k, v, scale=scale,
+                                           block_mask=flex_block_mask(batch, lens_q, lens_k),
+                                           enable_gqa=q.shape[1] != k.shape[1])
+    out = out.where(sees_a_key(batch, lens_q, lens_k)[:, None, :, None], 0.0)
+    return out.squeeze(2).contiguous() if unpad is None else out.transpose(1, 2)[unpad]
+
+
+def _flex_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None):
+    return _flex(q, cu_seqlens_q, cu_seqlens_q.diff(), cu_seqlens_k.diff(),
+                 _read_packed(k, v, cu_seqlens_k), causal=causal, window=window, scale=scale)
 
 
 def _flex_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
                 window=None, scale=None, k_scale=None, v_scale=None):
     if k_scale is not None or v_scale is not None:
         raise ValueError("the flex backend has no fp8 cache support")
-    lens = seq_lens.tolist()
-    k = torch.cat([gather_kv(k_cache, block_tables[b], n, compute_dtype=q.dtype)
-                   for b, n in enumerate(lens)])
-    v = torch.cat([gather_kv(v_cache, block_tables[b], n, compute_dtype=q.dtype)
-                   for b, n in enumerate(lens)])
-    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32, device=q.device)
-    cu_k[1:] = seq_lens.cumsum(0)
-    return _flex_flash(q, k, v, cu_seqlens_q, cu_k, causal=causal, window=window, scale=scale)
+    return _flex(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
+                 _read_paged(k_cache, v_cache, block_tables), causal=causal, window=window,
+                 scale=scale)
 
 
 # --- reference: float64 loops, the definition ------------------------------------------------
@@ -190,6 +386,15 @@ HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 POW2_HEAD_DIMS = (16, 32, 64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 
+# Limits the wrappers of sdpa, flex and reference share.
+_NO_LATENT = Limit("labkit's wrapper", "it takes per-head K/V; no latent-cache (MLA) path is "
+                                       "written for it")
+_NO_FP8_GATHER = Limit("labkit's wrapper", "its gather does not dequantise: a dequantising "
+                                           "gather would write the cache out again in 16 bits, "
+                                           "giving back the bytes fp8 saves")
+_HOST_LENGTHS = ("it reads the batch's lengths on the host once per call (one sync) to size "
+                 "the padded gather")
+
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend(
         name="triton", summary="labkit's Triton kernels: FlashAttention tiling, paged decode "
@@ -202,26 +407,73 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
         min_compute_capability=(8, 0), fp8_min_compute_capability=(8, 9),
         notes="capture with check=False and max_query_len (no host sync); the launch grid "
               "depends on the longest query, so only uniform decode batches replay safely; on "
-              "CPU it runs in Triton's interpreter (slow)"),
+              "CPU it runs in Triton's interpreter (slow)",
+        limits={
+            "MLA": Limit("labkit's kernel", "the kernels read per-head K/V blocks; none here "
+                                            "reads a latent (MLA) cache"),
+            "CUDA Graph capture": Limit(
+                "labkit's kernel", "the launch grid is sized by max_query_len, fixed at "
+                "capture: only batches of one token per row replay safely"),
+            "fp8 cache needs": Limit(
+                "labkit's kernel", "the kernel widens e4m3 with Triton's float8e4nv cast, "
+                "which Triton lowers only on sm 8.9+; a bit-level conversion (as some engines "
+                "use on sm 8.0) would lift it: older GPUs can hold and read fp8 bytes"),
+            "compute capability": Limit(
+                "labkit's kernel", "declared for sm 8.0+ (bfloat16 tensor-core dots); older "
+                "GPUs are not tried"),
+        }),
     Backend(
-        name="flex", summary="PyTorch FlexAttention (compiled on GPU) with a document mask",
+        name="flex", summary="PyTorch FlexAttention (compiled on GPU with dynamic shapes) over "
+        "the padded batch, one block mask per batch shape",
         flash=_flex_flash, paged=_flex_paged,
         dtypes=HALF_AND_FLOAT, head_dims=POW2_HEAD_DIMS,
         kv_cache_dtypes=("auto",), kv_scales=(), block_sizes=ANY,
-        paged_reads="gathers blocks into contiguous KV first", sliding_window=True,
+        paged_reads="gathers blocks into padded KV first", sliding_window=True,
         attention_kinds=("MHA", "GQA", "MQA"), mixed_batches=True, cuda_graphs="never",
         devices=("cuda", "cpu"), min_compute_capability=(8, 0),
-        notes="the block mask is built on the host for every batch"),
+        notes="one call per step: queries padded to [B, Hq, Lq, D], keys gathered to "
+              "[B, Hkv, Lk, D] (at decode only a window's last keys), enable_gqa; compiled "
+              "once with dynamic=True, so new lengths reuse the kernel; the block mask is "
+              "built once per batch shape (lengths, causal, window) and cached, so the layers "
+              "of one step share it; a new shape still costs one create_block_mask",
+        limits={
+            "MLA": _NO_LATENT,
+            "KV cache dtypes": _NO_FP8_GATHER,
+            "paged KV": Limit(
+                "labkit's wrapper", "FlexAttention can read pages in place through a block "
+                "mask remapped to physical blocks (torch's experimental PagedAttention, which "
+                "wants the mask's KV block size equal to the page size); the wrapper gathers"),
+            "CUDA Graph capture": Limit(
+                "labkit's wrapper", f"{_HOST_LENGTHS} and builds a block mask for each new "
+                "batch shape; flex_attention itself can be captured with a fixed block mask"),
+            "compute capability": Limit("labkit's wrapper", "declared for sm 8.0+; older GPUs "
+                                                            "are not tried"),
+        }),
     Backend(
-        name="sdpa", summary="torch scaled_dot_product_attention, one sequence at a time",
+        name="sdpa", summary="torch scaled_dot_product_attention, one batched call per step",
         flash=_sdpa_flash, paged=_sdpa_paged,
         dtypes=HALF_AND_FLOAT, head_dims=tuple(range(8, 257, 8)),
         kv_cache_dtypes=("auto",), kv_scales=(), block_sizes=ANY,
-        paged_reads="gathers blocks into contiguous KV first", sliding_window=True,
+        paged_reads="gathers blocks into padded KV first", sliding_window=True,
         attention_kinds=("MHA", "GQA", "MQA"), mixed_batches=True, cuda_graphs="never",
         devices=("cuda", "cpu"),
-        notes="a window or unequal lengths need an explicit mask, which rules out the flash "
-              "kernel inside SDPA; a Python loop over sequences syncs with the host"),
+        notes="one call per step (sdpa_call says which): uniform decode with equal lengths "
+              "passes enable_gqa and no mask, which the flash kernel inside SDPA can serve; "
+              "decode with unequal lengths folds each KV head's query heads into its queries "
+              "and passes a padding mask (no GQA flag); varlen prefill pads to "
+              "[B, Hq, Lq, D] with one boolean mask (causal end-aligned + window + "
+              "padding) and enable_gqa. Any boolean mask rules out the flash kernel on CUDA; "
+              "in torch 2.11 a mask with enable_gqa also rules out the memory-efficient "
+              "kernel (it takes no GQA there), leaving cuDNN or the math kernel",
+        limits={
+            "MLA": _NO_LATENT,
+            "KV cache dtypes": _NO_FP8_GATHER,
+            "paged KV": Limit("the library", "SDPA takes dense [B, H, L, D] tensors: it has "
+                                             "no block-table input"),
+            "CUDA Graph capture": Limit(
+                "labkit's wrapper", f"{_HOST_LENGTHS} and to choose mask or none; SDPA's "
+                "kernels themselves can be captured at fixed shapes"),
+        }),
     Backend(
         name="reference", summary="plain torch in float64: the definition, slow",
         flash=_ref_flash, paged=_ref_paged,
@@ -229,7 +481,13 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
         kv_cache_dtypes=("auto", "fp8_e4m3"), kv_scales=("per_kv_head",), block_sizes=ANY,
         paged_reads="gathers blocks into contiguous KV first", sliding_window=True,
         attention_kinds=("MHA", "GQA", "MQA"), mixed_batches=True, cuda_graphs="never",
-        devices=("cuda", "cpu")),
+        devices=("cuda", "cpu"),
+        limits={
+            "MLA": _NO_LATENT,
+            "CUDA Graph capture": Limit("labkit's wrapper", "it loops over the sequences on "
+                                                            "the host: the definition, not a "
+                                                            "fast path"),
+        }),
 )}
 
 # Auto selection tries these in order: ours first (paged reads, fp8, one launch per batch), then

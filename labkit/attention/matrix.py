@@ -3,8 +3,14 @@
 Rows are what must be checked before choosing (model, cache, request, graph, hardware), columns
 are the backends in priority order. Generated from ``backends.BACKENDS`` each time, so the
 notebook and the README show exactly what selection checks; nothing is typed twice.
+
+A cell a backend declares a limit for says whose limit it is: ``never (limit: labkit's
+wrapper)`` is a "no" that better labkit code would lift, ``(limit: the library)`` one it would
+not. ``limits_table`` lists every such cell with its reason.
 """
 from __future__ import annotations
+
+from itertools import pairwise
 
 import pandas as pd
 
@@ -15,7 +21,7 @@ def _dims(values) -> str:
     if values is None:
         return "any"
     values = list(values)
-    if len(values) > 6 and all(b - a == values[1] - values[0] for a, b in zip(values, values[1:])):
+    if len(values) > 6 and all(b - a == values[1] - values[0] for a, b in pairwise(values)):
         return f"{values[0]}..{values[-1]} step {values[1] - values[0]}"
     return ", ".join(map(str, values))
 
@@ -47,25 +53,69 @@ ROWS = [
 ]
 
 
-def compatibility_matrix(backends: dict[str, Backend] | None = None) -> pd.DataFrame:
-    """DataFrame indexed by (category, check), one column per backend in priority order."""
+CHECKS = tuple(what for _, what, _ in ROWS)  # what a Backend's limits may be keyed by
+
+
+def _ordered(backends: dict[str, Backend] | None) -> dict[str, Backend]:
     backends = backends or BACKENDS
+    for b in backends.values():
+        unknown = sorted(set(b.limits) - set(CHECKS))
+        if unknown:
+            raise ValueError(f"backend {b.name!r} declares limits for {unknown}, which are not "
+                             f"checks of the matrix; known: {list(CHECKS)}")
     names = [n for n in PRIORITY if n in backends] + [n for n in backends if n not in PRIORITY]
+    return {n: backends[n] for n in names}
+
+
+def _cell(backend: Backend, check: str, read, whose: bool) -> str:
+    value, limit = read(backend), backend.limit(check)
+    return f"{value} (limit: {limit.by})" if whose and limit is not None else value
+
+
+def compatibility_matrix(backends: dict[str, Backend] | None = None, *,
+                         whose: bool = True) -> pd.DataFrame:
+    """DataFrame indexed by (category, check), one column per backend in priority order;
+    ``whose`` (default) appends whose limit a declared limit is."""
+    backends = _ordered(backends)
     index = pd.MultiIndex.from_tuples([(c, what) for c, what, _ in ROWS],
                                       names=["category", "check"])
-    data = {name: [read(backends[name]) for _, _, read in ROWS] for name in names}
+    data = {name: [_cell(b, what, read, whose) for _, what, read in ROWS]
+            for name, b in backends.items()}
     return pd.DataFrame(data, index=index)
 
 
+def limits_table(backends: dict[str, Backend] | None = None) -> pd.DataFrame:
+    """One row per declared limit: the cell, whose limit it is, whether labkit's own code could
+    lift it, and why."""
+    rows = [{"backend": name, "category": category, "check": what, "cell": read(b),
+             "limited by": b.limit(what).by, "labkit could lift it": b.limit(what).labkits,
+             "why": b.limit(what).why}
+            for name, b in _ordered(backends).items()
+            for category, what, read in ROWS if b.limit(what) is not None]
+    return pd.DataFrame(rows, columns=["backend", "category", "check", "cell", "limited by",
+                                       "labkit could lift it", "why"])
+
+
+def unexplained_cells(backends: dict[str, Backend] | None = None) -> list[tuple[str, str, str]]:
+    """(backend, check, cell) of every "no" / "never" cell with no declared limit: each one
+    should say whose limit it is."""
+    return [(name, what, read(b)) for name, b in _ordered(backends).items()
+            for _, what, read in ROWS if read(b) in ("no", "never") and b.limit(what) is None]
+
+
+def _markdown(df: pd.DataFrame) -> list[str]:
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join(str(v).replace("|", "/") for v in row) + " |")
+    return lines
+
+
 def matrix_markdown(backends: dict[str, Backend] | None = None) -> str:
-    """The same table as GitHub Markdown (no extra dependency such as tabulate)."""
-    df = compatibility_matrix(backends)
-    header = ["category", "check", *df.columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (category, check), row in df.iterrows():
-        cells = [category, check, *(str(v).replace("|", "/") for v in row)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """The matrix as GitHub Markdown (no extra dependency such as tabulate), then its limits:
+    whose each one is and why."""
+    matrix = _markdown(compatibility_matrix(backends).reset_index())
+    limits = limits_table(backends).drop(columns=["category", "labkit could lift it"])
+    return "\n".join([*matrix, "", *_markdown(limits)])
 
 
 README_START, README_END = "<!-- compatibility-matrix:start -->", "<!-- compatibility-matrix:end -->"

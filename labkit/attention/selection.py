@@ -29,7 +29,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 CPU_SLOW = {
     "triton": "hardware: on CPU its kernels run in Triton's interpreter (about 0.1 s a call); "
               "force backend='triton' to run them anyway",
-    "flex": "hardware: on CPU flex_attention runs uncompiled and builds its mask every call "
+    "flex": "hardware: on CPU labkit runs flex_attention uncompiled, materialising every score "
             "(slow); force backend='flex' to run it anyway",
 }
 
@@ -112,41 +112,51 @@ class AttentionSpec:
 
 
 def reasons_against(backend: Backend, spec: AttentionSpec) -> list[str]:
-    """Every way ``backend`` fails ``spec``; an empty list means it can serve it."""
+    """Every way ``backend`` fails ``spec``; an empty list means it can serve it. A reason the
+    backend declares a limit for ends with whose limit it is (``Backend.limits``)."""
     b, s, why = backend, spec, []
+
+    def refuse(check: str, reason: str) -> None:
+        limit = b.limit(check)
+        why.append(reason if limit is None else f"{reason}; limit of {limit.by}")
+
     if s.attention_kind not in b.attention_kinds:
-        why.append(f"model: {s.attention_kind} attention is not supported "
-                   f"(supports {'/'.join(b.attention_kinds)})")
+        refuse(s.attention_kind, f"model: {s.attention_kind} attention is not supported "
+                                 f"(supports {'/'.join(b.attention_kinds)})")
     if b.head_dims is not None and s.head_dim not in b.head_dims:
-        why.append(f"model: head_dim {s.head_dim} is not supported "
-                   f"({_short(b.head_dims)})")
+        refuse("head dims", f"model: head_dim {s.head_dim} is not supported "
+                            f"({_short(b.head_dims)})")
     if s.sliding_window is not None and not b.sliding_window:
-        why.append("model: no sliding window")
+        refuse("sliding window", "model: no sliding window")
     if s.dtype not in b.dtypes:
-        why.append(f"model: dtype {s.dtype} is not supported ({_short(b.dtypes)})")
+        refuse("query dtypes", f"model: dtype {s.dtype} is not supported ({_short(b.dtypes)})")
     if s.kv_cache_dtype not in b.kv_cache_dtypes:
-        why.append(f"cache: KV dtype {s.kv_cache_dtype} is not supported "
-                   f"({'/'.join(b.kv_cache_dtypes)})")
+        refuse("KV cache dtypes", f"cache: KV dtype {s.kv_cache_dtype} is not supported "
+                                  f"({'/'.join(b.kv_cache_dtypes)})")
     elif s.kv_scale != "none" and s.kv_scale not in b.kv_scales:
-        why.append(f"cache: {s.kv_scale} scales are not supported "
-                   f"({'/'.join(b.kv_scales) or 'none'})")
+        refuse("KV scale granularity", f"cache: {s.kv_scale} scales are not supported "
+                                       f"({'/'.join(b.kv_scales) or 'none'})")
     if s.block_size is not None and b.block_sizes is not None and \
             s.block_size not in b.block_sizes:
-        why.append(f"cache: block_size {s.block_size} is not supported ({_short(b.block_sizes)})")
+        refuse("block sizes", f"cache: block_size {s.block_size} is not supported "
+                              f"({_short(b.block_sizes)})")
     if s.mixed_batch and not b.mixed_batches:
-        why.append("request: cannot mix prefill and decode in one batch")
+        refuse("mixed prefill + decode", "request: cannot mix prefill and decode in one batch")
     if b.cuda_graphs not in _GRAPH_NEEDS[s.cuda_graph]:
-        why.append(f"graph: capture of {s.cuda_graph} batches is not supported "
-                   f"(CUDA Graphs: {b.cuda_graphs})")
+        refuse("CUDA Graph capture", f"graph: capture of {s.cuda_graph} batches is not "
+                                     f"supported (CUDA Graphs: {b.cuda_graphs})")
     if s.device not in b.devices:
-        why.append(f"hardware: runs on {'/'.join(b.devices)}, not {s.device}")
+        refuse("devices", f"hardware: runs on {'/'.join(b.devices)}, not {s.device}")
     elif s.device == "cuda" and s.compute_capability is not None:
-        need = b.min_compute_capability
-        if s.kv_cache_dtype == "fp8_e4m3" and b.fp8_min_compute_capability:
-            need = max(need or (0, 0), b.fp8_min_compute_capability)
+        need, check = b.min_compute_capability, "compute capability"
+        fp8_need = b.fp8_min_compute_capability if s.kv_cache_dtype == "fp8_e4m3" else None
+        if fp8_need and fp8_need > (need or (0, 0)):
+            if tuple(s.compute_capability) >= (need or (0, 0)):
+                check = "fp8 cache needs"  # the GPU is new enough for the rest, not for fp8
+            need = fp8_need
         if need and tuple(s.compute_capability) < need:
-            why.append(f"hardware: needs compute capability {need[0]}.{need[1]}+, this GPU is "
-                       f"{s.compute_capability[0]}.{s.compute_capability[1]}")
+            refuse(check, f"hardware: needs compute capability {need[0]}.{need[1]}+, this GPU "
+                          f"is {s.compute_capability[0]}.{s.compute_capability[1]}")
     return why
 
 
