@@ -90,7 +90,7 @@ def test_roofline_claims_hold_on_the_recording(data):
 def test_the_l2_claim_fails_when_no_prefill_peer_beats_the_no_reuse_cap(data):
     for result in data["prefill"].values():
         result["us"] *= 1.5  # every peer a third slower: all under the HBM cap of the tile model
-    l2, under_roof, decode = told.roofline_claims(data, MATMUL, TILE, IO)
+    l2, _, decode = told.roofline_claims(data, MATMUL, TILE, IO)
     assert not l2.held and decode.held
 
 
