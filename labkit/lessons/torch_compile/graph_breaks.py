@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pandas as pd
 import torch

@@ -1,4 +1,4 @@
-"""Guards, recompilation, compile modes and what each costs; reduce-overhead's two surprises.
+"""Guards and recompilation under changing shapes; reduce-overhead's two surprises.
 
 A compiled graph is only valid for what Dynamo assumed while tracing: the input's shapes,
 dtypes, devices, and Python values it read. Those assumptions become *guards*, checked before
@@ -15,16 +15,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import pandas as pd
 import torch
 
-from labkit.device import synchronize
 from labkit.graphs import bucket_for
-from labkit.lessons.torch_compile.pipeline import no_caches
 from labkit.measure import bench
 from labkit.tools.recorded import json_columns
 
@@ -36,7 +33,7 @@ BATCH_TRACE = (8, 12, 5, 16, 9, 3, 20, 7, 14, 11, 6, 24, 1, 10, 13, 4)
 def recompile_limit() -> int:
     """How many graphs Dynamo keeps per function before it falls back to eager."""
     cfg = torch._dynamo.config
-    return int(getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit"))
+    return int(getattr(cfg, "recompile_limit", None) or cfg.cache_size_limit)
 
 
 @contextlib.contextmanager
@@ -188,91 +185,6 @@ def strategy_figure(reports: dict[str, RecompileReport]):
                    title=f"compiles as batch sizes change (recompile limit {recompile_limit()})")
 
 
-def guard_overhead(entries: int = 8, dim: int = 16, repeats: int = 15) -> pd.DataFrame:
-    """Per-call cost of entering a compiled function: Dynamo's frame hook and its guard checks.
-
-    The work is one tiny add, so what is measured is the overhead. With ``entries`` cached
-    graphs (one per shape), a call whose graph was compiled first also checks the guards of the
-    others before it finds its own.
-    """
-    def tiny(x):
-        return x + 1
-
-    sizes = list(range(1, entries + 1))
-    x_first = torch.randn(sizes[0] + 1, dim)
-    rows = [("eager", bench.measure(tiny, lambda: (x_first,), device="cpu", repeats=repeats,
-                                    calls_per_sample=200, rotate=False))]
-    torch._dynamo.reset()
-    one = torch.compile(tiny, backend="eager", dynamic=False)
-    rows.append(("compiled, 1 graph cached", bench.measure(
-        one, lambda: (x_first,), device="cpu", repeats=repeats, calls_per_sample=200,
-        rotate=False)))
-    torch._dynamo.reset()
-    many = torch.compile(tiny, backend="eager", dynamic=False)
-    for n in sizes:
-        many(torch.randn(n + 1, dim))
-    rows.append((f"compiled, {entries} graphs cached", bench.measure(
-        many, lambda: (x_first,), device="cpu", repeats=repeats, calls_per_sample=200,
-        rotate=False)))
-    torch._dynamo.reset()
-    eager_us = rows[0][1].median_us
-    return pd.DataFrame([{"call": name, "us_per_call": t.median_us,
-                          "extra_us_vs_eager": t.median_us - eager_us} for name, t in rows])
-
-
-def compile_modes(model: torch.nn.Module, x: torch.Tensor, modes: Sequence[str] = ("default",),
-                  repeats: int = 20, cold: bool = True) -> pd.DataFrame:
-    """First call (compile) against steady-state latency, eager and per mode.
-
-    ``cold`` switches Inductor's caches off so the first call pays the full compile, as on a
-    fresh machine; a warm on-disk cache makes a second start much cheaper.
-    """
-    rows = []
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        expected = model(x)
-        synchronize(x.device)
-        first = time.perf_counter() - t0
-        t = bench.measure(model, lambda: (x,), device=x.device, repeats=repeats, rotate=False)
-        rows.append({"mode": "eager", "first_call_s": first, "steady_us": t.median_us,
-                     "p20_us": t.p20_us, "p80_us": t.p80_us, "max_abs_err": 0.0})
-        for mode in modes:
-            torch._dynamo.reset()
-            compiled = torch.compile(model, mode=None if mode == "default" else mode)
-            with no_caches() if cold else contextlib.nullcontext():
-                t0 = time.perf_counter()
-                out = compiled(x).clone()  # reduce-overhead: the next call overwrites its output
-                synchronize(x.device)
-                first = time.perf_counter() - t0
-                t = bench.measure(compiled, lambda: (x,), device=x.device, repeats=repeats,
-                                  rotate=False)
-            rows.append({"mode": mode, "first_call_s": first, "steady_us": t.median_us,
-                         "p20_us": t.p20_us, "p80_us": t.p80_us,
-                         "max_abs_err": float((out.float() - expected.float()).abs().max())})
-    torch._dynamo.reset()
-    df = pd.DataFrame(rows)
-    df["speedup_vs_eager"] = df.steady_us.iloc[0] / df.steady_us
-    df["calls_to_repay_compile"] = [
-        (r.first_call_s * 1e6) / max(df.steady_us.iloc[0] - r.steady_us, 1e-9)
-        if r.mode != "eager" and r.steady_us < df.steady_us.iloc[0] else float("nan")
-        for r in df.itertuples()]
-    return df
-
-
-def modes_figure(df: pd.DataFrame, title: str):
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("first call (s)", "steady state (us/call)"))
-    fig.add_trace(go.Bar(x=df["mode"], y=df["first_call_s"], name="first call"), row=1, col=1)
-    fig.add_trace(go.Bar(x=df["mode"], y=df["steady_us"], name="steady state",
-                         error_y=dict(type="data", symmetric=False,
-                                      array=df["p80_us"] - df["steady_us"],
-                                      arrayminus=df["steady_us"] - df["p20_us"])), row=1, col=2)
-    fig.update_layout(title=title, showlegend=False)
-    return fig
-
-
 # --- reduce-overhead (CUDA Graphs under torch.compile): its two surprises, GPU only ---------
 def _need_cuda(what: str) -> torch.device:
     if not torch.cuda.is_available():
@@ -331,7 +243,7 @@ def mutated_input_skips_graphs(numel: int = 4096, repeats: int = 30) -> dict:
             f = torch.compile(fn, mode="reduce-overhead")
             for _ in range(3):
                 f(total, x)
-            t = bench.measure(f, lambda: (total, x), device=dev, repeats=repeats, rotate=False)
+            t = bench.measure(f, lambda total=total, x=x: (total, x), device=dev, repeats=repeats, rotate=False)
         skips = [m.split(". Found from")[0] for m in messages if "skipping cudagraphs" in m]
         results[name] = {"cudagraph_skips": counters["inductor"]["cudagraph_skips"] - before,
                          "skip_reasons": sorted(set(skips)), "steady_us": t.median_us}
@@ -342,17 +254,30 @@ def mutated_input_skips_graphs(numel: int = 4096, repeats: int = 30) -> dict:
 
 
 def record() -> dict:
-    """`make record`: modes on the full-size block, the reduce-overhead gotchas, Triton code."""
-    from labkit.lessons.torch_compile.pipeline import BlockConfig, inductor_code, make_block
+    """`make record`: the modes' steady state in interleaved rounds with their GPU kernel time,
+    static against dynamic=True, cold and warm-cache starts in fresh processes, the
+    reduce-overhead gotchas and the Triton code, all on the full-size block."""
+    from labkit.lessons.torch_compile import cold_start, modes
+    from labkit.lessons.torch_compile.pipeline import (
+        BlockConfig,
+        inductor_code,
+        make_block,
+    )
 
     dev = _need_cuda("record")
-    cfg = BlockConfig(dim=2048, hidden=8192)
+    cfg, tokens = BlockConfig(dim=2048, hidden=8192), 8
     block = make_block(cfg, dev, torch.bfloat16)
-    x = torch.randn(8, cfg.dim, device=dev, dtype=torch.bfloat16)
-    modes = compile_modes(block, x, ("default", "reduce-overhead", "max-autotune"), repeats=50)
+    x = torch.randn(tokens, cfg.dim, device=dev, dtype=torch.bfloat16)
+    steady = modes.steady_state(block, x, modes.MODES, rounds=7, repeats=50)
+    dynamic = modes.dynamic_cost(block, x, rounds=7, repeats=50)
+    starts = cold_start.cold_and_warm(modes.MODES, dim=cfg.dim, hidden=cfg.hidden, tokens=tokens,
+                                      device="cuda", dtype="bfloat16", rounds=3)
     stage = inductor_code(block, x)
-    return {"block": {"dim": cfg.dim, "hidden": cfg.hidden, "batch": 8, "dtype": "bfloat16"},
-            "modes": json_columns(modes),
+    return {"block": {"dim": cfg.dim, "hidden": cfg.hidden, "batch": tokens, "dtype": "bfloat16"},
+            "steady": modes.steady_record(steady),
+            "autotune_log_lines": len(steady.autotune_log),
+            "dynamic": modes.steady_record(dynamic),
+            "cold_starts": json_columns(starts),
             "output_overwritten": output_overwritten(),
             "mutated_input": mutated_input_skips_graphs(),
             "triton_kernels": stage.kernels, "extern_calls": stage.extern_calls,
