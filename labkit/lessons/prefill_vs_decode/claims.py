@@ -9,7 +9,8 @@ round, its range the value itself. A condition holds only when the whole range c
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from itertools import pairwise
 
 import pandas as pd
 
@@ -26,7 +27,7 @@ def _on(recorded, device: str | None = None) -> str:
 
 def _range(row, col: str) -> tuple[float, float]:
     """(low, high) of a column from its ``_low``/``_high`` neighbours, or the value twice."""
-    stem = col[:-3] if col.endswith("_ms") else col
+    stem = col.removesuffix("_ms")
     for lo, hi in ((f"{col}_low", f"{col}_high"), (f"{stem}_low_ms", f"{stem}_high_ms")):
         if lo in row and hi in row and not pd.isna(row[lo]):
             return float(row[lo]), float(row[hi])
@@ -62,7 +63,7 @@ def roofline_claims(points: pd.DataFrame, peaks: dict, *, device: str | None = N
     ceiling = peaks["matmul_TFLOPs"]
     lows = [_range(r, "tflops")[0] for _, r in pre.iterrows()]
     highs = [_range(r, "tflops")[1] for _, r in pre.iterrows()]
-    rising = len(pre) >= 2 and all(lo > hi for lo, hi in zip(lows[1:], highs[:-1]))
+    rising = len(pre) >= 2 and all(lo > hi for lo, hi in zip(lows[1:], highs[:-1], strict=True))
     made = [
         claim("Prefill's throughput rises with the prompt{where}, {how}: S = {lens} reach {shares} "
               "of the measured matmul ceiling ({ceiling:,.3g} TFLOP/s), each length above the "
@@ -285,7 +286,7 @@ def latency_claims(by_batch: pd.DataFrame, by_prompt: pd.DataFrame, *,
             "The schedule{where} prefills {n} prompts of {lens} tokens in {steps} step(s): "
             "never fewer for a longer prompt. TTFT counts these steps, so it follows the step "
             "count and each step's time more than the token count.",
-            bool(all(a <= b for a, b in zip(steps, steps[1:])) and steps[-1] > steps[0]),
+            bool(all(a <= b for a, b in pairwise(steps)) and steps[-1] > steps[0]),
             where=where, n=int(p1.batch), lens=", ".join(str(x) for x in p.prompt_len),
             steps=", ".join(str(s) for s in steps), recorded=recorded))
     return made

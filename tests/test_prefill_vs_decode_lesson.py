@@ -1,0 +1,181 @@
+"""Notebook 07's claims: each holds on the committed H200 recording (or a synthetic run that
+stands for it) and fails when the numbers behind it are perturbed."""
+import pandas as pd
+import pytest
+
+from labkit.lessons.prefill_vs_decode import chunked_prefill as cp
+from labkit.lessons.prefill_vs_decode import claims as pc
+from labkit.lessons.prefill_vs_decode import forward as pdc
+from labkit.teaching import reset_claims
+from labkit.tools import recorded
+
+DECODE = "decode B=1 ctx 1024"
+
+
+@pytest.fixture(autouse=True)
+def fresh_claims():
+    reset_claims()
+    yield
+    reset_claims()
+
+
+@pytest.fixture(scope="module")
+def rec():
+    return recorded.load("prefill_vs_decode")
+
+
+@pytest.fixture
+def points(rec):
+    return pd.DataFrame(rec.data["points"])
+
+
+def held(made):
+    return [c.held for c in (made if isinstance(made, list) else [made])]
+
+
+def swap(df, shape_a, shape_b, col="ms", mode=None):
+    """``df`` with ``col`` of two shapes exchanged (in ``mode`` only, if given)."""
+    out = df.copy()
+    rows = out["mode"] == mode if mode else pd.Series(True, index=out.index)
+    a, b = rows & (out["shape"] == shape_a), rows & (out["shape"] == shape_b)
+    va, vb = out.loc[a, col].values.copy(), out.loc[b, col].values.copy()
+    out.loc[a, col], out.loc[b, col] = vb, va
+    return out
+
+
+def test_roofline_claims_hold_on_the_recording_and_fail_when_prefill_stops_rising(rec, points):
+    assert held(pc.roofline_claims(points, rec.data["peaks"], recorded=rec)) == [True] * 3
+    flat = swap(points, "prefill S=256", "prefill S=1024", "tflops", "graph")
+    assert held(pc.roofline_claims(flat, rec.data["peaks"], recorded=rec))[0] is False
+    low_ridge = dict(rec.data["peaks"], matmul_TFLOPs=rec.data["peaks"]["copy_GBps"] * 0.02)
+    assert held(pc.roofline_claims(points, low_ridge, recorded=rec))[2] is False, (
+        "a ridge of 20 FLOP/B puts the large decode batches right of it")
+
+
+def test_batching_claim_fails_when_the_big_batch_costs_its_rows(rec, points):
+    assert held(pc.batching_claim(points, recorded=rec)) == [True]
+    slow = points.copy()
+    slow.loc[slow["shape"] == "decode B=256 ctx 1024", "ms"] *= 200
+    assert held(pc.batching_claim(slow, recorded=rec)) == [False]
+
+
+def test_graph_claims_fail_when_eager_and_replay_are_swapped(rec, points):
+    assert held(pc.graph_claims(points, recorded=rec)) == [True, True]
+    swapped = points.copy()
+    swapped["mode"] = swapped["mode"].map({"eager": "graph", "graph": "eager"})
+    assert held(pc.graph_claims(swapped, recorded=rec))[0] is False
+    long = swapped[swapped["shape"] == "prefill S=4096"]
+    slow_eager = points.copy()
+    slow_eager.loc[(slow_eager["shape"] == "prefill S=4096")
+                   & (slow_eager["mode"] == "eager"), "ms"] = 2 * long.ms.max()
+    assert held(pc.graph_claims(slow_eager, recorded=rec))[1] is False
+
+
+def _timed(points, floor):
+    return points.assign(floor_ms=floor, ms_low=points.ms, ms_high=points.ms)
+
+
+def test_bound_claim_holds_for_max_of_host_and_gpu_and_fails_below_it(points):
+    eager = points[points["mode"] == "eager"]
+    floor = float(eager.ms.min())  # the host floor: about the smallest eager step
+    table = pdc.overhead_table(_timed(points, floor))
+    assert held(pc.bound_claims(table)) == [True]
+    assert held(pc.bound_claims(pdc.overhead_table(_timed(points, 3 * floor)))) == [False], (
+        "eager steps well below the floor: the floor measured something else")
+
+
+def test_cpu_bound_claim_fails_when_a_floor_exceeds_its_step():
+    points = pd.DataFrame({"shape": ["decode B=1", "prefill S=256"], "kind": ["decode", "prefill"],
+                           "flops_per_byte": [0.5, 70.0], "mode": ["eager", "eager"],
+                           "ms": [2.2, 23.4], "floor_ms": [0.37, 0.46]})
+    assert held(pc.bound_claims(pdc.overhead_table(points))) == [True]
+    over = points.assign(floor_ms=[2.5, 0.46])
+    assert held(pc.bound_claims(pdc.overhead_table(over))) == [False]
+
+
+def test_kernel_claims_hold_on_the_recording_and_fail_when_kernels_outlast_the_host(rec, points):
+    prof = rec.data["profiles"][DECODE]
+    eager_ms = float(points[(points["shape"] == DECODE) & (points["mode"] == "eager")].ms.iloc[0])
+    fused = rec.data["fused"]["profiles"][DECODE]
+    made = pc.kernel_claims(prof, 16, eager_ms, recorded=rec, fused_summary=fused)
+    assert held(made) == [True, True]
+    assert "688 kernels, 43 a layer" in made[0].text
+    long_kernels = dict(prof, mean_kernel_us=100.0)
+    assert held(pc.kernel_claims(long_kernels, 16, eager_ms, recorded=rec)) == [False]
+    assert held(pc.kernel_claims(prof, 16, eager_ms, recorded=rec,
+                                 fused_summary=dict(fused, kernel_count=900)))[1] is False
+    cpu = {"top_level_ops": 138}
+    assert held(pc.kernel_claims(cpu, 2, 2.0)) == [True]
+    assert held(pc.kernel_claims({"top_level_ops": 6}, 2, 2.0)) == [False]
+
+
+def test_fused_claim_fails_when_fused_and_plain_are_swapped(rec, points):
+    fused = pd.DataFrame(rec.data["fused"]["points"])
+    assert held(pc.fused_claim(points, fused, recorded=rec)) == [True]
+    assert held(pc.fused_claim(fused, points, recorded=rec)) == [False]
+
+
+def test_context_claim_fails_when_time_outgrows_the_bytes_or_does_not_grow():
+    growth = {"batch": 16, "context": 256, "long_context": 1024, "mode": "eager",
+              "ratio": [1.80, 1.86, 1.80], "bytes_ratio": 1.86, "flops_ratio": 1.29}
+    assert held(pc.context_claim(growth)) == [True]
+    assert held(pc.context_claim(dict(growth, ratio=[2.5, 2.6, 2.7]))) == [False]
+    assert held(pc.context_claim(dict(growth, ratio=[0.95, 1.2, 1.3]))) == [False], (
+        "one round faster with more context: the whole range does not clear 1")
+
+
+def test_knee_claim_fails_when_the_long_context_reaches_the_ridge():
+    assert held(pc.knee_claim({0: 250, 4096: None}, 190.0)) == [True]
+    assert held(pc.knee_claim({0: 250, 4096: 900}, 190.0)) == [False]
+
+
+def test_latency_claims_hold_on_the_recording_and_fail_when_cases_are_swapped(rec):
+    eng = rec.data["engine"]
+    by_batch, by_prompt = pd.DataFrame(eng["by_batch"]), pd.DataFrame(eng["by_prompt"])
+    assert held(pc.latency_claims(by_batch, by_prompt, recorded=rec)) == [True] * 3
+    flipped = by_batch.assign(batch=by_batch.batch.values[::-1])
+    assert held(pc.latency_claims(flipped, by_prompt, recorded=rec))[0] is False
+    short = by_prompt.assign(prompt_len=by_prompt.prompt_len.values[::-1])
+    assert held(pc.latency_claims(by_batch, short, recorded=rec))[1] is False
+    tpot = by_batch.copy()
+    tpot.loc[tpot.batch == 64, "tpot_ms"] = 100 * tpot.tpot_ms.min()
+    assert held(pc.latency_claims(tpot, by_prompt, recorded=rec))[2] is False
+    steps = by_prompt.assign(prefill_steps=[1, 1, 2, 4, 6], ttft_low_ms=by_prompt.ttft_ms,
+                             ttft_high_ms=by_prompt.ttft_ms)
+    assert held(pc.latency_claims(by_batch, steps, recorded=rec))[3] is True
+    fewer = steps.assign(prefill_steps=[1, 2, 1, 4, 6])
+    assert held(pc.latency_claims(by_batch, fewer, recorded=rec))[3] is False
+
+
+def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_swapped(rec,
+                                                                                    points):
+    on, off = (cp.Interference.from_dict(d) for d in rec.data["engine"]["interference"])
+    gpu = ("prefill S=1024", float(points[(points["shape"] == "prefill S=1024")
+                                          & (points["mode"] == "graph")].ms.iloc[0]))
+    assert held(pc.interference_claims(on, off, recorded=rec, gpu_prefill=gpu)) == [True] * 4
+    short_stall = cp.Interference(off.chunked, off.budget, off.gaps.assign(
+        gap_ms=off.gaps.gap_ms / 10), off.steps, off.long_ttft_ms)
+    assert held(pc.interference_claims(on, short_stall, recorded=rec))[0] is False, (
+        "a whole-prompt step shorter than the chunked gaps is no stall")
+    assert held(pc.interference_claims(off, on, recorded=rec))[1] is False, (
+        "swapped, the chunked run's long prompt would come first")
+    no_mix = cp.Interference(on.chunked, on.budget, on.gaps, on.steps.assign(
+        duration_ms=on.steps.duration_ms.where(~on.mixed, 0.5)), on.long_ttft_ms, 0, False)
+    assert held(pc.interference_claims(no_mix, off, recorded=rec))[2] is False, (
+        "mixed steps faster than decode-only ones")
+    assert held(pc.interference_claims(on, off, recorded=rec,
+                                       gpu_prefill=("prefill S=4096", 20.0)))[3] is False
+
+
+def test_an_async_recording_times_steps_between_token_reads_and_a_sync_one_by_duration(rec):
+    on = cp.Interference.from_dict(rec.data["engine"]["interference"][0])
+    assert on.async_scheduling, "recorded before the flag: the engine's CUDA default, async"
+    ends = on.steps.start_ms + on.steps.duration_ms
+    assert on.step_ms.iloc[5] == pytest.approx(ends.iloc[5] - ends.iloc[4])
+    sync = cp.Interference(on.chunked, on.budget, on.gaps, on.steps, on.long_ttft_ms, 0, False)
+    assert (sync.step_ms == on.steps.duration_ms).all()
+
+
+def test_missing_names_the_fields_a_recording_lacks(rec):
+    assert pc.missing(rec.data, ["points.ms", "points.nothing", "engine.by_batch"]) == [
+        "points.nothing"]
