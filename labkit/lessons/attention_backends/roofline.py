@@ -27,7 +27,8 @@ from labkit.measure.rounds import Spread
 
 # The shapes of benchmarks/attention.py (tests check that its defaults still match).
 PREFILL = {"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128}
-DECODE = {"batch": 64, "q_heads": 32, "kv_heads": 8, "context": 4096, "head_dim": 128, "block_size": 16}
+DECODE = {"batch": 64, "q_heads": 32, "kv_heads": 8, "context": 4096, "head_dim": 128,
+          "block_size": 16}
 LONG_CONTEXT = 32768
 
 
@@ -120,15 +121,6 @@ def roofline_points(data: dict) -> pd.DataFrame:
     fp8 = (data.get("decode") or {}).get("fp8_e4m3") or (data.get("fp8") or {}).get("fp8_e4m3")
     _point(rows, decode_workload(kv_cache_dtype="fp8_e4m3"), "ours, fp8 cache", fp8)
     return pd.DataFrame(rows)
-
-
-def unavailable(data: dict) -> pd.DataFrame:
-    """The benchmark's peers that could not run, with their errors: limits, shown as such."""
-    rows = [{"section": section, "peer": peer, "error": result["error"]}
-            for section in ("prefill", "decode", "long_context")
-            for peer, result in (data.get(section) or {}).items()
-            if isinstance(result, dict) and "error" in result]
-    return pd.DataFrame(rows, columns=["section", "peer", "error"])
 
 
 def registry_points(workloads: list[AttentionWorkload], device: str, *, rounds: int = 3,
@@ -250,8 +242,9 @@ def fp8_figure(data: dict, subtitle: str = "") -> go.Figure:
     rows = {k: v["tokens_per_s"] for k, v in f.items() if isinstance(v, dict) and
             "tokens_per_s" in v}
     need = TARGETS["fp8 cache vs bf16 decode (speed ratio)"]
+    bf16 = (f.get("bf16") or {}).get("tokens_per_s")
     return _bars(rows, f"decode throughput, bf16 vs fp8 (e4m3) KV cache{subtitle}",
-                 "tokens/s", {f"target: {need} x bf16": need * f["bf16"]["tokens_per_s"]})
+                 "tokens/s", {f"target: {need} x bf16": need * bf16} if bf16 else {})
 
 
 @_needs("block_sweep")
