@@ -26,14 +26,13 @@ import torch
 from torch.profiler import record_function
 
 from labkit.device import free_memory
-from labkit.measure import bench
-from labkit.graphs.bucket_planner import padding_waste, plan_buckets, powers_of_two
 from labkit.engine import LLM, SamplingParams
 from labkit.engine.runner import PAD
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
-from labkit.lessons.putting_it_together.workload import Workload, engine_options
 from labkit.graphs import GraphPool
+from labkit.graphs.bucket_planner import padding_waste, plan_buckets, powers_of_two
 from labkit.kvcache import BlockManager
+from labkit.lessons.putting_it_together.workload import Workload, engine_options
 from labkit.measure import intervals
 from labkit.measure.events import summarize
 from labkit.measure.profile import Trace, trace
@@ -70,7 +69,7 @@ def step_overlap(events: pd.DataFrame) -> dict:
     if events.empty:
         return {"steps": 0}
     steps = events[(events.kind == "annotation") & events.name.str.startswith(STEP)]
-    out: dict = {"steps": int(len(steps)),
+    out: dict = {"steps": len(steps),
                  "mean_step_us": float(steps.dur_us.mean()) if len(steps) else None,
                  "graph_launches": int(((events.kind == "runtime")
                                         & events.name.str.contains("GraphLaunch")).sum())}
@@ -87,9 +86,9 @@ def step_overlap(events: pd.DataFrame) -> dict:
     overlaps = [intervals.overlap([(s, s + d)], busy) for s, d in zip(on_side.start_us, on_side.dur_us)]
     out.update({
         "compute_lane": compute_lane,
-        "kernels": int(len(kernels)),
-        "h2d_copies": int(len(h2d)),
-        "h2d_on_copy_stream": int(len(on_side)),
+        "kernels": len(kernels),
+        "h2d_copies": len(h2d),
+        "h2d_on_copy_stream": len(on_side),
         "h2d_overlapping_compute": int(sum(o > 0 for o in overlaps)),
         "h2d_overlapped_us": float(sum(overlaps)),
         "h2d_us": float(on_side.dur_us.sum()),
@@ -146,8 +145,13 @@ def bucket_costs(batches: list[int], sets: dict[str, tuple[int, ...]],
                  step_times: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per bucket set: graphs, padded rows, and with ``step_times`` (batch, eager_ms, graph_ms,
     measured at exact batch sizes, interpolated between, the nearest one beyond) what the decode
-    steps cost eager, as graphs padded to their buckets, and how much of the graphs' gain the
-    padding ate."""
+    steps cost eager, as graphs padded to their buckets, and what the padding costs.
+
+    ``padding_share`` is the padding's cost against the replayed steps at their exact sizes: the
+    baseline is the graph itself, so it holds whatever eager costs. ``gain_eaten`` is the
+    padding's share of the gain over eager wall time; an eager decode step is host-bound (its
+    GPU kernel time is far below its wall time), so that gain, and this share, depend on how
+    fast the host launches, not on the GPU."""
     rows = []
     for name, buckets in sets.items():
         plan = padding_waste(batches, buckets)
@@ -161,14 +165,27 @@ def bucket_costs(batches: list[int], sets: dict[str, tuple[int, ...]],
                                t.batch, t.graph_ms)
             row.update(eager_ms=eager.sum(), graph_ms=padded.sum(),
                        padding_ms=(padded - exact).sum(), gain_ms=(eager - padded).sum())
+            row["padding_share"] = row["padding_ms"] / exact.sum()
             row["gain_eaten"] = row["padding_ms"] / (row["padding_ms"] + row["gain_ms"])
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10) -> pd.DataFrame:
+def _dense(inputs, top: int):
+    """The step inputs cut to their first ``top`` rows (a graph replays from its own copy)."""
+    return tuple(x[:top] for x in inputs)
+
+
+def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10,
+                      rounds: int = 3) -> pd.DataFrame:
     """One decode step of ``llm``'s model at each batch size (every row ``context_len`` tokens of
-    context), eager and replayed from a graph captured at exactly that batch."""
+    context), eager and replayed from a graph captured at exactly that batch, timed in
+    ``rounds`` interleaved rounds (every case once a round, in a shuffled order): each time is
+    the median of the round medians, ``*_low_ms``/``*_high_ms`` their range, ``*_rounds_ms``
+    the round medians. On a GPU ``eager_gpu_ms`` is the profiler's kernel time of one eager
+    step: beside ``eager_ms`` (wall time) it shows how host-bound the eager step is."""
+    from labkit.measure.rounds import interleaved
+
     r, dev = llm.runner, llm.device
     top, width = max(batches), r.max_blocks_per_seq
     n_blocks = math.ceil(context_len / r.block_size)
@@ -187,16 +204,30 @@ def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10) ->
         pool = GraphPool(r.decode_forward, batches, pad_value=PAD)
         with torch.inference_mode():
             pool.capture(*inputs)
-    rows = []
+    cases = {}
+    for b in sorted(batches):
+        args = _dense(inputs, b)
+        cases[f"eager/{b}"] = lambda args=args: r.decode_forward(*args)
+        if pool is not None:
+            cases[f"graph/{b}"] = lambda args=args: pool(*args)
     with torch.inference_mode():
+        timed = interleaved(cases, rounds=rounds, shuffle=True, device=dev, repeats=repeats)
+        rows = []
         for b in sorted(batches):
-            args = tuple(x[:b] for x in inputs)
-            eager = bench.measure(lambda: r.decode_forward(*args), device=dev, repeats=repeats)
-            row = {"batch": b, "eager_ms": eager.median_us / 1e3, "graph_ms": float("nan")}
+            row = {"batch": b}
+            for mode in ("eager", "graph"):
+                if f"{mode}/{b}" not in cases:
+                    row[f"{mode}_ms"] = float("nan")
+                    continue
+                spread = timed.us(f"{mode}/{b}")
+                row.update({f"{mode}_ms": spread.median / 1e3, f"{mode}_low_ms": spread.low / 1e3,
+                            f"{mode}_high_ms": spread.high / 1e3,
+                            f"{mode}_rounds_ms": [v / 1e3 for v in spread.values]})
             if pool is not None:
-                row["graph_ms"] = bench.measure(lambda: pool(*args), device=dev,
-                                                repeats=repeats).median_us / 1e3
                 row["capture_ms"] = pool.stats.buckets[(b,)].capture_ms
+            if dev.type == "cuda":
+                t = trace(cases[f"eager/{b}"], device=dev, warmup=1)
+                row["eager_gpu_ms"] = t.summary.get("gpu_busy_us", float("nan")) / 1e3
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -221,7 +252,7 @@ def bucket_figure(costs: pd.DataFrame, title: str):
         fig.add_bar(x=costs.buckets, y=costs.padding_ms, name="spent on padded rows (ms)")
     else:
         fig.add_bar(x=costs.buckets, y=costs.padded_rows, name="padded rows")
-    fig.update_traces(text=[f"{g} graphs" for g in costs.graphs], selector=dict(type="bar"))
+    fig.update_traces(text=[f"{g} graphs" for g in costs.graphs], selector={"type": "bar"})
     fig.update_layout(title=title, barmode="group", height=400)
     return fig
 

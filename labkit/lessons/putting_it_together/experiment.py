@@ -14,6 +14,9 @@ GPU. The requests are a :class:`~labkit.lessons.putting_it_together.workload.Wor
 """
 from __future__ import annotations
 
+import copy
+import random
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,26 +33,63 @@ from labkit.lessons.putting_it_together.workload import Workload, engine_options
 from labkit.tools.recorded import json_columns
 
 MODES = ("eager", "graph")
-COLUMNS = ["backend", "mode", "status", "chosen", "reason", "build_s", "capture_ms", "graphs",
-           "first_run_s", "steady_run_s", "warmup_s", "decode_step_ms", "tpot_ms", "ttft_ms",
-           "output_tok_s", "steps", "graph_steps", "padded_rows", "pool_padded_rows",
-           "graph_MiB", "engine_MiB", "kv_cache_MiB", "warm_start", "same_first_token"]
+COLUMNS = ["backend", "mode", "status", "passed", "chosen", "reason", "rounds", "build_s",
+           "capture_ms", "capture_low_ms", "capture_high_ms", "graphs", "first_run_s",
+           "steady_run_s", "steady_low_s", "steady_high_s", "warmup_s", "decode_step_ms",
+           "decode_step_low_ms", "decode_step_high_ms", "tpot_ms", "ttft_ms", "output_tok_s",
+           "steps", "graph_steps", "padded_rows", "pool_padded_rows", "graph_MiB", "engine_MiB",
+           "kv_cache_MiB", "warm_start", "same_first_token", "first_token_ok",
+           "first_token_ties"]
+# What one round of a row measures; the table shows each one's median over the rounds.
+ROUND_COLUMNS = ["build_s", "capture_ms", "first_run_s", "steady_run_s", "decode_step_ms",
+                 "tpot_ms", "ttft_ms", "output_tok_s"]
+# Quantities whose range over the rounds the table keeps beside the median.
+RANGED = {"capture_ms": ("capture_low_ms", "capture_high_ms"),
+          "steady_run_s": ("steady_low_s", "steady_high_s"),
+          "decode_step_ms": ("decode_step_low_ms", "decode_step_high_ms")}
 
 
-# Why the GPU recording skips flex: timed, its row would measure recompiles and the fallback.
-FLEX_IN_THE_ENGINE = (
-    "not timed: flex_attention is compiled for fixed shapes, every engine step brings a new KV "
-    "length, so Dynamo recompiles until its limit of 8 and then runs the unfused fallback, "
-    "minutes for this workload on a GPU; it suits fixed-shape work, not this engine")
+def engine_limit(name: str, device: torch.device) -> str | None:
+    """Why ``name`` is not timed in the engine on ``device``, from its declaration in
+    ``labkit.attention.BACKENDS`` (None: time it). On a GPU that is a backend whose declaration
+    says it is compiled for fixed shapes: each engine step brings a new KV length, so Dynamo
+    recompiles until its limit and then runs unfused; the row says the limit is labkit's
+    wrapper, as declared, not FlexAttention's."""
+    b = BACKENDS[name]
+    fixed = getattr(b, "fixed_shapes", None)
+    if fixed is None:  # no field for it: read the declared compile settings in the notes
+        fixed = bool(re.search(r"fixed[- ]shape|dynamic=False|recompil", b.notes))
+    if device.type == "cuda" and fixed:
+        return (f"not timed: labkit's {name} wrapper is compiled for fixed shapes and every "
+                f"engine step brings a new KV length, so it would time recompiles "
+                f"(declared: {b.notes or b.summary})")
+    return None
+
+
+def graph_limit(name: str) -> str | None:
+    """Whose limit it is that ``name`` cannot be captured in a CUDA Graph, and why, as its
+    declaration in ``labkit.attention.BACKENDS`` states it (None where it declares none)."""
+    limit = getattr(BACKENDS.get(name), "limits", {}).get("CUDA Graph capture")
+    return f"{limit.by}: {limit.why}" if limit is not None else None
 
 
 def slow_here(device: torch.device) -> dict[str, str]:
-    """Backends that would run here but slowly (on CPU: interpreted or uncompiled; on a GPU
-    flex, recompiled for every new KV length), with why."""
+    """Backends that would run here but slowly, with why: on CPU the interpreted or uncompiled
+    ones, on a GPU those :func:`engine_limit` rules out."""
     if device.type != "cpu":
-        return {"flex": FLEX_IN_THE_ENGINE}
+        return {name: why for name in BACKENDS if (why := engine_limit(name, device))}
     return {name: f"not run, to keep this run short: {why.split(';')[0]}"
             for name, why in CPU_SLOW.items()}
+
+
+def peer_notes(names=None) -> pd.DataFrame:
+    """Each backend's own declaration: what it is, whether a graph can capture it, and its
+    limits, read from ``labkit.attention.BACKENDS`` so the table follows the code."""
+    rows = [{"backend": n, "summary": BACKENDS[n].summary,
+             "cuda_graphs": BACKENDS[n].cuda_graphs, "graph capture limit": graph_limit(n) or "",
+             "paged_reads": BACKENDS[n].paged_reads, "notes": BACKENDS[n].notes}
+            for n in (names or BACKENDS)]
+    return pd.DataFrame(rows)
 
 
 @dataclass(frozen=True)
@@ -84,11 +124,29 @@ def _median_ms(xs) -> float:
     return statistics.median(xs) * 1e3 if xs else float("nan")
 
 
+def _release(dev: torch.device) -> None:
+    """Hand a finished row's memory back before the next row builds (on a GPU: its KV cache and
+    graphs). A CPU has no cache to empty, and the collection it costs, per row and round, is
+    slower than the row."""
+    if dev.type == "cuda":
+        free_memory(dev)
+
+
+def warmup_s(first_s: float, steady_s) -> float:
+    """What the first run paid beyond steady state: its time above the slowest steady run.
+
+    Compilation, loading and first-touch allocation only add time, so a first run inside the
+    steady runs' range paid nothing that can be told from noise: 0, not the negative
+    difference a subtraction from their median gives (a row warmed up by an earlier one)."""
+    return max(0.0, first_s - max(steady_s))
+
+
 def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
-            skip: dict[str, str] | None = None, repeats: int = 3
+            skip: dict[str, str] | None = None, repeats: int = 1
             ) -> tuple[dict, list[str], list | None]:
-    """One row, its selection log and its steady run's tokens (None if it did not run). The
-    steady figures are from the repeat (of ``repeats``) with the median wall time."""
+    """One round of one row: build the engine (graph capture included), a first run, then
+    ``repeats`` steady runs. Returns the row (steady figures from the median steady run,
+    ``steady_runs_s`` all of them), its selection log and the tokens (None if it did not run)."""
     dev = model.embed_tokens.device
     row = dict.fromkeys(COLUMNS, float("nan")) | {"backend": backend, "mode": mode,
                                                   "chosen": "", "reason": ""}
@@ -100,7 +158,7 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
     if backend in (skip or {}):
         return row | {"status": "skipped", "reason": skip[backend]}, [], None
     prompts, params = workload.requests(model.config.vocab_size)
-    free_memory(dev)
+    _release(dev)
     mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
     t0 = time.perf_counter()
     try:
@@ -108,7 +166,9 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
                   **engine_options(workload))
     except BackendUnavailable as e:
         why = "; ".join(e.reasons.get(backend, [])) or str(e).splitlines()[0]
-        return row | {"status": "refused", "reason": why}, [], None
+        limit = graph_limit(backend) if mode == "graph" else None
+        return row | {"status": "refused",
+                      "reason": f"{why}; limit of {limit}" if limit else why}, [], None
     synchronize(dev)
     row["build_s"] = time.perf_counter() - t0
     graphs = llm.runner.graphs
@@ -124,12 +184,12 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
                       key=lambda r: r.seconds)
     except Exception as e:  # noqa: BLE001 (a backend that breaks mid-run is a result too)
         del llm
-        free_memory(dev)
+        _release(dev)
         return row | {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:300]}, [], None
     run = runs[len(runs) // 2]
     n_out = sum(len(o.token_ids) for o in run.outputs)
-    row.update(status="ran", first_run_s=first.seconds,
-               steady_run_s=run.seconds, warmup_s=first.seconds - run.seconds,
+    row.update(status="ran", first_run_s=first.seconds, steady_run_s=run.seconds,
+               steady_runs_s=[r.seconds for r in runs],
                decode_step_ms=run.decode_step_ms,
                tpot_ms=_median_ms([o.tpot_s for o in run.outputs]),
                ttft_ms=_median_ms([o.ttft_s for o in run.outputs]),
@@ -139,8 +199,41 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
                pool_padded_rows=run.pool_padded_rows)
     log = llm.selection_log
     del llm
-    free_memory(dev)
+    _release(dev)
     return row, log, [o.token_ids for o in run.outputs]
+
+
+@torch.inference_mode()
+def first_token_truth(model: LlamaModel, prompts: list[list[int]]) -> list[dict]:
+    """Per prompt: the first token of the plain forward with the weights in float32, its
+    logits, and ``tie``: how far two rounded forwards can disagree on a logit, twice the
+    largest logit error of the model's own dtype against float32 on this prompt (0 for a
+    float32 model). A backend whose first token is not the float32 argmax but whose float32
+    logit is within ``tie`` of it picked between a near-tie that rounding decides."""
+    exact = model if model.embed_tokens.dtype == torch.float32 else copy.deepcopy(model).float()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=model.embed_tokens.device)
+        hi = exact(ids)[0, -1].float()
+        err = 0.0 if exact is model else float((model(ids)[0, -1].float() - hi).abs().max())
+        out.append({"token": int(hi.argmax()), "logits": hi.cpu(), "tie": 2 * err})
+    del exact
+    _release(model.embed_tokens.device)
+    return out
+
+
+def first_token_check(tokens: list[list[int]], truth: list[dict]) -> tuple[float, int]:
+    """(share of requests whose first token is the float32 argmax or a near-tie of it, how
+    many of them were near-ties)."""
+    ok = ties = 0
+    for toks, t in zip(tokens, truth):
+        if not toks:
+            continue
+        if toks[0] == t["token"]:
+            ok += 1
+        elif float(t["logits"][t["token"]] - t["logits"][toks[0]]) <= t["tie"]:
+            ok, ties = ok + 1, ties + 1
+    return ok / len(truth), ties
 
 
 @dataclass
@@ -149,26 +242,61 @@ class Experiment:
     selection_logs: dict[str, list[str]] = field(default_factory=dict)  # "backend/mode" -> log
     model: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
+    rounds: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per row and round
+    first_token_tie_max: float = 0.0                  # the largest tie tolerance of a prompt
 
     def to_dict(self) -> dict:
         return {"table": json_columns(self.table), "selection_logs": self.selection_logs,
-                "model": self.model, "workload": self.workload}
+                "model": self.model, "workload": self.workload,
+                "rounds": json_columns(self.rounds),
+                "first_token_tie_max": self.first_token_tie_max}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Experiment":
-        return cls(pd.DataFrame(d["table"], columns=COLUMNS), d["selection_logs"], d["model"],
-                   d["workload"])
+    def from_dict(cls, d: dict) -> Experiment:
+        return cls(pd.DataFrame(d["table"]).reindex(columns=COLUMNS), d["selection_logs"],
+                   d["model"], d["workload"], pd.DataFrame(d.get("rounds", {})),
+                   d.get("first_token_tie_max", 0.0))
+
+    @property
+    def conclusive(self) -> pd.DataFrame:
+        """The rows conclusions may be drawn from: they ran and passed the first-token check."""
+        t = self.table
+        return t[(t.status == "ran") & t.passed.eq(True)]  # NaN: not run
+
+
+def _combine(rounds: list[dict]) -> dict:
+    """One row from its rounds: medians, the ranges of RANGED, the cold first run's warm-up."""
+    first = rounds[0]
+    bad = next((r for r in rounds if r["status"] != "ran"), None)
+    if bad is not None:  # a row that failed in any round failed
+        return bad | {"rounds": len(rounds)}
+    row = dict(first)
+    for col in ROUND_COLUMNS:
+        row[col] = statistics.median(r[col] for r in rounds)
+    for col, (lo, hi) in RANGED.items():
+        row[lo], row[hi] = min(r[col] for r in rounds), max(r[col] for r in rounds)
+    steady = [s for r in rounds for s in r["steady_runs_s"]]
+    # The first round's first run is the cold one: later rounds find every kernel compiled.
+    row.update(rounds=len(rounds), first_run_s=first["first_run_s"],
+               warmup_s=warmup_s(first["first_run_s"], steady))
+    row.pop("steady_runs_s")
+    return row
 
 
 def run_experiment(model: ModelConfig | LlamaModel, workload: Workload, *,
                    backends=None, modes=MODES, skip: dict[str, str] | None = None,
                    device="auto", dtype: torch.dtype | None = None, seed: int = 0,
-                   repeats: int = 3) -> Experiment:
-    """Every backend (``PRIORITY`` order, then "auto") x ``modes`` on one model and workload.
+                   rounds: int = 3, repeats: int = 1) -> Experiment:
+    """Every backend (``PRIORITY`` order, then "auto") x ``modes`` on one model and workload,
+    in ``rounds`` rounds, each running every row in a fresh shuffled order (``seed``), each row
+    a fresh engine, a first run and ``repeats`` steady runs: drift of the machine lands on
+    every row alike, and each row reports its median with its range over the rounds.
 
     ``skip``: backends not to run, each with the reason shown in its row. One throwaway
-    request first warms up what every row shares (allocator, BLAS handles). Compiled kernels
-    stay cached for the process, so a row whose backend already ran has ``warm_start``.
+    request through the reference backend first warms up what every row shares (allocator,
+    BLAS handles). Compiled kernels stay cached for the process, so a row whose backend ran
+    before its first round (the reference included) has ``warm_start``. A row that does not
+    refuse in its first round refuses in none: later rounds run only rows that ran.
     """
     if isinstance(model, ModelConfig):
         model = random_model(model, seed=seed, device=select_device(device), dtype=dtype)
@@ -176,67 +304,108 @@ def run_experiment(model: ModelConfig | LlamaModel, workload: Workload, *,
     unknown = [b for b in backends if b != "auto" and b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backends {unknown}; known: {['auto', *BACKENDS]}")
-    check_positive_int("repeats", repeats, hint="steady runs after the first")
+    check_positive_int("repeats", repeats, hint="steady runs after the first, per round")
+    check_positive_int("rounds", rounds, hint="shuffled passes over every row")
     warmup = Workload(num_requests=1, prompt_len=(4, 4), output_len=(2, 2))
     LLM(model, backend="reference", enforce_eager=True,
         **engine_options(warmup)).generate(*warmup.requests(model.config.vocab_size))
-    rows, logs, outputs, ran = [], {}, {}, set()
-    for backend in backends:
-        for mode in modes:
-            row, log, outs = run_one(model, workload, backend, mode, skip, repeats)
-            if row["status"] == "ran":
+    cells = [(b, m) for b in backends for m in modes]
+    per: dict[tuple, list[dict]] = {c: [] for c in cells}
+    logs, outputs, ran, order_rows = {}, {}, {"reference"}, []
+    rng = random.Random(seed)
+    for r in range(rounds):
+        for position, cell in enumerate(rng.sample(cells, len(cells))):
+            if r and per[cell][0]["status"] != "ran":
+                continue
+            row, log, outs = run_one(model, workload, *cell, skip, repeats)
+            if row["status"] == "ran" and r == 0:
                 row["warm_start"] = row["chosen"] in ran
                 ran.add(row["chosen"])
-            rows.append(row)
-            logs[f"{backend}/{mode}"] = log
+            per[cell].append(row)
+            if r == 0:
+                logs[f"{cell[0]}/{cell[1]}"] = log
             if outs is not None:
-                outputs[len(rows) - 1] = outs
-    base = next((i for i in outputs if rows[i]["chosen"] == "reference"), next(iter(outputs), 0))
-    for i, outs in outputs.items():
-        rows[i]["same_first_token"] = float(np.mean([a[:1] == b[:1]
+                outputs.setdefault(cell, outs)
+            if row["status"] == "ran":
+                order_rows.append({"round": r, "position": position, "backend": cell[0],
+                                   "mode": cell[1], **{c: row[c] for c in ROUND_COLUMNS}})
+    rows = [_combine(per[c]) for c in cells]
+    prompts = workload.requests(model.config.vocab_size)[0]
+    truth = first_token_truth(model, prompts) if outputs else []
+    base = next((c for c in outputs if per[c][0]["chosen"] == "reference"),
+                next(iter(outputs), None))
+    for row, cell in zip(rows, cells):
+        if cell in outputs and row["status"] == "ran":
+            outs = outputs[cell]
+            row["same_first_token"] = float(np.mean([a[:1] == b[:1]
                                                      for a, b in zip(outs, outputs[base])]))
+            row["first_token_ok"], row["first_token_ties"] = first_token_check(outs, truth)
+            row["passed"] = row["first_token_ok"] == 1.0
     return Experiment(pd.DataFrame(rows, columns=COLUMNS), logs, asdict(model.config),
-                      asdict(workload))
+                      asdict(workload), pd.DataFrame(order_rows),
+                      max((t["tie"] for t in truth), default=0.0))
 
 
-SHOWN = {"build_s": 3, "capture_ms": 1, "warmup_s": 3, "decode_step_ms": 3, "tpot_ms": 3,
-         "output_tok_s": 0, "steps": 0, "graph_steps": 0, "padded_rows": 0, "graph_MiB": 1,
-         "engine_MiB": 1, "same_first_token": 2}
+SHOWN = {"rounds": 0, "build_s": 3, "warmup_s": 3, "tpot_ms": 3, "output_tok_s": 0, "steps": 0,
+         "graph_steps": 0, "padded_rows": 0, "graph_MiB": 1, "engine_MiB": 1,
+         "first_token_ok": 2, "first_token_ties": 0}
+
+
+def _ranged(table: pd.DataFrame, col: str, digits: int) -> pd.Series:
+    """'median (low-high)' of a ranged column; a recording without ranges shows the median."""
+    lo, hi = RANGED[col]
+    med = pd.to_numeric(table[col], errors="coerce")
+    low, high = (pd.to_numeric(table[c], errors="coerce") for c in (lo, hi))
+    return pd.Series([("" if pd.isna(m) else f"{m:.{digits}f}" if pd.isna(a) else
+                       f"{m:.{digits}f} ({a:.{digits}f}-{b:.{digits}f})")
+                      for m, a, b in zip(med, low, high)], index=table.index)
 
 
 def compact(table: pd.DataFrame) -> pd.DataFrame:
-    """The experiment's table with the columns a reader compares first, rounded."""
-    out = table[["backend", "mode", "status", "chosen", *SHOWN, "reason"]].copy()
+    """The experiment's table with the columns a reader compares first, rounded; the decode
+    step and the capture time as their median with the range over the rounds."""
+    out = table[["backend", "mode", "status", "passed", "chosen", *SHOWN, "reason"]].copy()
     for col, digits in SHOWN.items():
         out[col] = pd.to_numeric(out[col], errors="coerce").round(digits)
+    out.insert(5, "decode_step_ms (range)", _ranged(table, "decode_step_ms", 2))
+    out.insert(6, "capture_ms (range)", _ranged(table, "capture_ms", 1))
     return out
 
 
 def experiment_figure(table: pd.DataFrame, title: str):
     """What a choice costs once (build + first run's extra time) beside what it costs per
-    decode step; rows that did not run keep their place, labelled with their status."""
-    from plotly.subplots import make_subplots
+    decode step (median, error bars the range over the rounds); rows that did not run keep
+    their place, labelled with their status, and rows that failed the first-token check say so."""
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
     label = table.backend + " / " + table["mode"]
     ran = table.status == "ran"
-    once = (pd.to_numeric(table.build_s, errors="coerce")
-            + pd.to_numeric(table.warmup_s, errors="coerce").clip(lower=0)).where(ran, 0)
-    step = pd.to_numeric(table.decode_step_ms, errors="coerce").where(ran, 0)
-    text = table.status.where(~ran, "")
+    num = {c: pd.to_numeric(table[c], errors="coerce") for c in
+           ("build_s", "warmup_s", "decode_step_ms", "decode_step_low_ms", "decode_step_high_ms")}
+    once = (num["build_s"] + num["warmup_s"].fillna(0)).where(ran, 0)
+    step = num["decode_step_ms"].where(ran, 0)
+    bars = {"type": "data", "symmetric": False,
+                "array": (num["decode_step_high_ms"] - num["decode_step_ms"]).fillna(0),
+                "arrayminus": (num["decode_step_ms"] - num["decode_step_low_ms"]).fillna(0)}
+    text = table.status.where(~ran, "").where(~ran | ~table.passed.eq(False),
+                                              "did not pass")
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        "once: build (capture incl.) + first run's extra (s)", "steady: decode step (ms)"))
+        "once: build (capture incl.) + first run's extra (s)",
+        "steady: decode step (ms), range over rounds"))
     fig.add_trace(go.Bar(x=label, y=once, text=text, name="once"), 1, 1)
-    fig.add_trace(go.Bar(x=label, y=step, text=text, name="per step"), 1, 2)
+    fig.add_trace(go.Bar(x=label, y=step, text=text, name="per step", error_y=bars), 1, 2)
     fig.update_layout(title=title, showlegend=False, height=420)
     return fig
 
 
 def record(model: ModelConfig | None = None, workload: Workload | None = None, *,
-           skip: dict[str, str] | None = None, repeats: int = 3, device="auto", **steps) -> dict:
+           skip: dict[str, str] | None = None, rounds: int = 3, repeats: int = 1,
+           device="auto", **steps) -> dict:
     """`make record`: the experiment on ``ModelConfig.bench_1b`` (~1B parameters) in bf16 (the
-    tiny model on CPU), then :func:`labkit.lessons.putting_it_together.engine_steps.record_steps`
-    (``**steps``: its sizes) on the same weights."""
+    tiny model on CPU) in ``rounds`` shuffled rounds, then
+    :func:`labkit.lessons.putting_it_together.engine_steps.record_steps` (``**steps``: its
+    sizes) on the same weights."""
     from labkit.lessons.putting_it_together.engine_steps import record_steps
 
     dev = select_device(device)
@@ -245,7 +414,8 @@ def record(model: ModelConfig | None = None, workload: Workload | None = None, *
         skip = slow_here(dev)
     t0 = time.perf_counter()
     weights = random_model(config, device=dev)
-    out = run_experiment(weights, workload or Workload(), skip=skip, repeats=repeats).to_dict()
+    out = run_experiment(weights, workload or Workload(), skip=skip, rounds=rounds,
+                         repeats=repeats).to_dict()
     out["seconds"] = {"experiment": time.perf_counter() - t0}
     more = record_steps(weights, **steps)
     out["seconds"].update(more.pop("seconds"))

@@ -44,7 +44,7 @@ def engine_options(workload: Workload, block_size: int = 16) -> dict:
     """LLM options for the workload: every request runs at once, the cache holds them all,
     and prefix caching is off so a repeat of the workload computes exactly what the first did."""
     blocks = workload.num_requests * math.ceil(workload.max_len / block_size)
-    return dict(num_blocks=blocks, block_size=block_size, max_num_seqs=workload.num_requests,
-                max_model_len=workload.max_len,
-                max_num_batched_tokens=max(2048, workload.num_requests),
-                enable_prefix_caching=False)
+    return {"num_blocks": blocks, "block_size": block_size,
+            "max_num_seqs": workload.num_requests, "max_model_len": workload.max_len,
+            "max_num_batched_tokens": max(2048, workload.num_requests),
+            "enable_prefix_caching": False}
