@@ -3,12 +3,16 @@
     python benchmarks/tp_overlap.py --out results/                    # spawns its 2 ranks
     torchrun --nproc-per-node 2 benchmarks/tp_overlap.py --out results/
 
-For each ffn size and chunk count, measured in one run on both ranks (the slowest rank counts):
-the serial step, the overlapped step, the compute alone and the communication alone, then
-overlap efficiency = max(compute, comm) / overlapped (1.0 is perfect) and speed-up =
-serial / overlapped. Writes tp_overlap.csv and tp_overlap.json (with both ranks' traces). With
-fewer than 2 GPUs it runs gloo on the CPU at small sizes and says so: CPU numbers show the
-mechanics, not what a GPU gains. NVLink multicast is off (NCCL_NVLS_ENABLE=0).
+For each ffn size (prefill-sized) and each decode-sized token count, every chunk count is timed
+on both ranks in interleaved, shuffled rounds (the slowest rank counts): the serial step, the
+overlapped step and the sequential step (the chunks' matmuls, then their all-reduces: its two
+halves are the compute and the comm the bounds use). Per round: overlap efficiency =
+max(compute, comm) / overlapped (at most 1), speed-up = serial / overlapped, printed as the
+median with its range over the rounds; a speed-up is a gain only when its whole range is above 1,
+and a bounded metric past 1 in every round is printed as out of model. Writes tp_overlap.csv and
+tp_overlap.json (with both ranks' traces). With fewer than 2 GPUs it runs gloo on the CPU at
+small sizes and says so: CPU numbers show the mechanics, not what a GPU gains. NVLink multicast
+is off (NCCL_NVLS_ENABLE=0).
 """
 import argparse
 import json
@@ -21,8 +25,8 @@ from labkit.distributed import tensor_parallel as tp
 from labkit.distributed.rank_runner import launched_by_torchrun, pick_backend
 from labkit.lessons import multi_gpu_overlap as mgo
 
-CPU_SHAPES = dict(tokens=512, hidden=1024, dtype="float32", chunk_counts=(1, 2, 4, 8),
-                  trace_chunks=4, warmup=2, repeats=20)
+CPU_SHAPES = {"tokens": 512, "hidden": 1024, "dtype": "float32", "chunk_counts": (1, 2, 4, 8),
+              "trace_chunks": 4, "warmup": 2, "repeats": 20, "rounds": 3}
 CPU_FFN_SIZES = (1024,)
 
 
@@ -41,17 +45,28 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=list(tp.DTYPES))
     parser.add_argument("--chunks", type=_ints, help="comma-separated chunk counts")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (at least 3)")
+    parser.add_argument("--decode", type=_ints, help="comma-separated decode-sized token counts "
+                        f"(default on GPUs: {','.join(map(str, mgo.DECODE_TOKENS))}; none on CPU)")
     args = parser.parse_args(argv)
 
     backend = pick_backend(args.backend, world_size=2)
     shapes, ffn_sizes = ((mgo.GPU_SHAPES, mgo.GPU_FFN_SIZES) if backend == "nccl"
                          else (CPU_SHAPES, CPU_FFN_SIZES))
-    overrides = {k: v for k, v in dict(tokens=args.tokens, hidden=args.hidden, dtype=args.dtype,
-                                       chunk_counts=args.chunks, repeats=args.repeats).items()
+    overrides = {k: v for k, v in {"tokens": args.tokens, "hidden": args.hidden,
+                                   "dtype": args.dtype, "chunk_counts": args.chunks,
+                                   "repeats": args.repeats, "rounds": args.rounds}.items()
                  if v is not None}
     shapes = {**shapes, **overrides}
     runs = [mgo.run_experiment(mgo.TPExperiment(ffn=ffn, **shapes), world_size=2, backend=backend)
             for ffn in (args.ffn or ffn_sizes)]
+    base = mgo.DECODE_SHAPES if backend == "nccl" else {**shapes, "ffn": ffn_sizes[0],
+                                                         "chunk_counts": (1, 2, 4, 8)}
+    decode_shapes = {k: v for k, v in {**base, **overrides}.items() if k != "tokens"}
+    decode_shapes["chunk_counts"] = base["chunk_counts"]  # a decode step has few tokens to cut
+    for tokens in args.decode or (mgo.DECODE_TOKENS if backend == "nccl" else ()):
+        runs.append(mgo.run_experiment(mgo.TPExperiment(tokens=tokens, **decode_shapes),
+                                       world_size=2, backend=backend))
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         return 0
 
@@ -70,7 +85,11 @@ def main(argv=None) -> int:
               f"device: {run.errors.max().max():.1e}")
         print(table[["num_chunks", "serial_us", "overlapped_us", "compute_us", "comm_us",
                      "compute_over_comm", "pipeline_us", "efficiency", "of_pipeline",
-                     "speedup"]].to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
+                     "speedup", "speedup_low", "speedup_high", "out_of_model"]].to_string(
+            index=False, float_format=lambda v: f"{v:,.3f}"))
+        best = run.best_chunks()
+        gain = run.spreads(best)["speedup"]
+        print(f"best: {best} chunks, speed-up {gain:.3fx}: {mgo.gain_verdict(gain)}")
     args.out.mkdir(parents=True, exist_ok=True)
     import pandas as pd
 

@@ -269,15 +269,39 @@ def test_sweep_summary_reports_the_best_chunk_count_and_the_comm_stretch(gloo_ex
     from labkit.lessons.multi_gpu_overlap import sweep_summary
 
     row = sweep_summary([gloo_experiment, gloo_experiment]).iloc[1]
-    table = gloo_experiment.table
-    best = table.loc[table.speedup.idxmax()]
-    assert (row.best_chunks, row.speedup) == (best.num_chunks, best.speedup)
+    table = gloo_experiment.table.set_index("num_chunks")
+    assert row.best_chunks == 3, "one chunk overlaps nothing: the best is chosen among the others"
+    best = table.loc[3]
+    assert (row.speedup, row.speedup_low, row.speedup_high) == (
+        best.speedup, best.speedup_low, best.speedup_high)
     assert row.of_pipeline == best.of_pipeline and row.ffn == 64
-    one = table[table.num_chunks == 1].iloc[0]
+    one = table.loc[1]
     assert row.compute_over_comm == pytest.approx(one.compute_us / one.comm_us)
     serial, overlapped = (gloo_experiment.trace(m).summary for m in ("serial", "overlapped"))
     stretch = [overlapped[r]["comm_us"] / serial[r]["comm_us"] for r in ("rank 0", "rank 1")]
     assert row.comm_stretch == pytest.approx(sum(stretch) / 2)
+
+
+def test_every_case_is_timed_once_per_round_in_the_same_shuffled_order_on_both_ranks(
+        gloo_experiment):
+    orders = [r["orders"] for r in gloo_experiment.ranks]
+    assert orders[0] == orders[1], "the ranks must run each collective together"
+    assert len(orders[0]) == gloo_experiment.experiment.rounds == 3
+    cases = {"serial", "overlapped 1", "overlapped 3", "sequential 1", "sequential 3"}
+    assert all(set(o) == cases and len(o) == len(cases) for o in orders[0])
+    assert len({tuple(o) for o in orders[0]}) > 1, "every round the same order: not shuffled"
+    for rank in gloo_experiment.ranks:
+        assert all(len(v) == 3 for v in rank["rounds"].values()), rank["rounds"]
+
+
+def test_the_sequential_steps_halves_add_up_to_its_step(gloo_experiment):
+    # compute and comm are the two halves of one timed step (the medians of each half).
+    for rank in gloo_experiment.ranks:
+        for k in (1, 3):
+            for step, c, m in zip(*(rank["rounds"][f"{w} {k}"]
+                                    for w in ("sequential", "compute", "comm"))):
+                assert 0 < c < step and 0 < m < step
+                assert c + m == pytest.approx(step, rel=0.5)
 
 
 def test_serial_trace_launches_its_all_reduce_after_the_last_matmul(gloo_experiment):
