@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from labkit.lessons.torch_compile import pipeline as cp
 from labkit.lessons.torch_compile import graph_breaks as gb
+from labkit.lessons.torch_compile import pipeline as cp
 from labkit.lessons.torch_compile import recompiles as rc
 
 EXAMPLE_IDS = [ex.name for ex in gb.EXAMPLES]
@@ -112,9 +112,9 @@ def test_a_batch_beyond_the_largest_bucket_is_refused_before_compiling():
 def test_unknown_strategy_and_unknown_log_artifact_are_errors():
     with pytest.raises(ValueError, match="strategy must be one of"):
         rc.run_shapes(_per_row, [3], "sometimes", _rows)
-    with pytest.raises(RuntimeError, match="no logging artifact"):
-        with rc.captured_logs("not_an_artifact_xyz"):
-            pass
+    with pytest.raises(RuntimeError, match="no logging artifact"), \
+            rc.captured_logs("not_an_artifact_xyz"):
+        pass
 
 
 # --- the pipeline ---------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def h200(**changes):
 def test_steady_claims_hold_on_a_host_bound_gpu_table_and_say_default_is_slower():
     made = cl.steady_claims(h200(), device="NVIDIA H200")
     assert len(made) == 4 and all(c.held for c in made), [str(c) for c in made]
-    host, default_vs_eager, kernels, graphs = made
+    host, default_vs_eager, _, _ = made
     assert "measure host work" in host.text
     assert "default is slower than eager in every round" in default_vs_eager.text
     assert "max-autotune ≈ reduce-overhead < eager < default" in host.text
@@ -63,6 +63,14 @@ def test_steady_claims_fail_when_the_gpu_kernels_fill_the_call():
     gpu_bound = {m: 0.9 * min(v) for m, v in H200_ROUNDS.items()}
     host, default_vs_eager, _, _ = cl.steady_claims(h200(gpu=gpu_bound), device="NVIDIA H200")
     assert not host.held and not default_vs_eager.held
+
+
+def test_graph_modes_near_their_kernel_time_are_named_and_a_kernel_longer_than_the_call_fails():
+    fast_replay = {"reduce-overhead": [40.0, 41.0, 39.5, 40.2, 40.8]}
+    host = cl.steady_claims(h200(rounds=fast_replay), device="NVIDIA H200")[0]
+    assert host.held and "for reduce-overhead the kernels take a larger share" in host.text
+    too_long = cl.steady_claims(h200(gpu={"max-autotune": 400.0}), device="NVIDIA H200")[0]
+    assert not too_long.held
 
 
 def test_graph_replay_claim_fails_with_default_and_reduce_overhead_swapped():
