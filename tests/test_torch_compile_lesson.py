@@ -15,7 +15,7 @@ import torch
 from labkit.lessons.torch_compile import claims as cl
 from labkit.lessons.torch_compile import cold_start as cs
 from labkit.lessons.torch_compile import modes as md
-from labkit.measure.rounds import Spread
+from labkit.measure.rounds import Rounds, Spread
 from labkit.teaching import reset_claims
 
 
@@ -294,3 +294,36 @@ def test_guard_rounds_time_each_case_per_call():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode must be one of"):
         md.compiled(lambda x: x, "turbo")
+
+
+def test_recorded_claims_read_what_the_recorder_writes():
+    """The recorder's JSON (a Steady table, a starts table, as json_columns) read back by the
+    claims: every claim of a host-bound GPU recording holds, each labelled with the recording."""
+    import inspect
+    import json
+
+    from labkit.lessons.torch_compile import recompiles as rc
+    from labkit.tools.recorded import Recorded, json_columns
+
+    source = inspect.getsource(rc.record)
+    assert all(f'"{k}"' in source for k in cl.RECORDED_FIELDS), "record() writes every field"
+    rounds = {m: tuple(SimpleNamespace(median_us=v) for v in vs) for m, vs in H200_ROUNDS.items()}
+    gpu = {m: {"gpu_busy_us": H200_GPU[m], "kernel_count": H200_KERNELS[m]} for m in H200_ROUNDS}
+    steady_run = md.Steady(Rounds(rounds, ()), gpu, {m: 1.0 for m in rounds}, {})
+    dyn_rounds = {"static": tuple(SimpleNamespace(median_us=v) for v in (272.0, 270.0, 275.0)),
+                  "dynamic=True": tuple(SimpleNamespace(median_us=v) for v in (280.0, 279.0, 284.0))}
+    dyn_run = md.Steady(Rounds(dyn_rounds, ()), {"static": gpu["default"],
+                                                     "dynamic=True": gpu["default"]}, {}, {})
+    starts_df = pd.DataFrame([{"round": r, "mode": m, "start": k, "first_call_s": v,
+                               "process_s": v + 5, "rest_of_process_s": 5.0}
+                              for m, sp in GPU_STARTS.items() for k in ("cold", "warm cache")
+                              for r, v in enumerate(sp[k].values)])
+    data = json.loads(json.dumps({"steady": md.steady_record(steady_run),
+                                  "dynamic": md.steady_record(dyn_run),
+                                  "cold_starts": json_columns(starts_df)}))
+    from labkit.tools import recorded
+    fp = recorded.load("torch_compile").fingerprint  # an H200 fingerprint, as committed
+    rec = Recorded("torch_compile", data, fp, "2026-12-01", "make record")
+    made = cl.recorded_claims(rec)
+    assert len(made) >= 8 and all(c.held for c in made), [str(c) for c in made if not c.held]
+    assert all(c.source == rec.label for c in made)
