@@ -6,10 +6,21 @@ import pytest
 import torch
 
 import labkit  # noqa: F401
-from labkit.attention import (BACKENDS, CPU_SLOW, PRIORITY, AttentionSpec, BackendUnavailable,
-                              compatibility_matrix, example_specs, explain,
-                              flash_attention_ref, matrix_markdown, paged_attention_ref,
-                              select_backend, selection_lines)
+from labkit.attention import (
+    BACKENDS,
+    CPU_SLOW,
+    PRIORITY,
+    AttentionSpec,
+    BackendUnavailable,
+    compatibility_matrix,
+    example_specs,
+    explain,
+    flash_attention_ref,
+    matrix_markdown,
+    paged_attention_ref,
+    select_backend,
+    selection_lines,
+)
 from labkit.attention.matrix import limits_table
 
 GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
@@ -183,7 +194,10 @@ def test_every_backend_agrees_with_the_reference_on_gpu_bf16(name):
 # --- side-by-side helpers (notebook 06) ------------------------------------------------------
 
 def test_check_backends_runs_every_compatible_backend_against_the_reference():
-    from labkit.lessons.attention_backends.compare import AttentionWorkload, check_backends
+    from labkit.lessons.attention_backends.compare import (
+        AttentionWorkload,
+        check_backends,
+    )
     table = check_backends(AttentionWorkload((1, 3, 0), (20, 9, 4), window=6))
     assert list(table["backend"]) == list(PRIORITY)
     assert table["compatible"].all()
@@ -191,7 +205,10 @@ def test_check_backends_runs_every_compatible_backend_against_the_reference():
 
 
 def test_check_backends_reports_why_a_backend_was_skipped():
-    from labkit.lessons.attention_backends.compare import AttentionWorkload, check_backends
+    from labkit.lessons.attention_backends.compare import (
+        AttentionWorkload,
+        check_backends,
+    )
     table = check_backends(AttentionWorkload((1,), (20,), kv_cache_dtype="fp8_e4m3")).set_index("backend")
     assert not table.loc["sdpa", "compatible"] and "fp8" in table.loc["sdpa", "reasons"]
     # the fp8 path multiplies in float16: float16's rounding bounds it, not float32's

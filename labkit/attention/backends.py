@@ -215,7 +215,7 @@ def _pad_queries(q, cu_seqlens_q, lens_q, batch: PaddedBatch):
     return padded.transpose(1, 2), (seq, row)
 
 
-def _read_paged(k_cache, v_cache, block_tables):
+def _read_paged(k_cache, v_cache, block_tables, dtype):
     """Key positions [B, L] -> K, V [B, Hkv, L, D]: one gather through the block tables."""
     block_size = k_cache.shape[1]
 
@@ -223,11 +223,13 @@ def _read_paged(k_cache, v_cache, block_tables):
         col = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
         blocks = block_tables.long().gather(1, col).clamp(0, k_cache.shape[0] - 1)
         rows = pos % block_size
-        return k_cache[blocks, rows].transpose(1, 2), v_cache[blocks, rows].transpose(1, 2)
+        return (k_cache[blocks, rows].to(dtype).transpose(1, 2),
+                v_cache[blocks, rows].to(dtype).transpose(1, 2))
     return read
 
 
 def _read_packed(k, v, cu_seqlens_k):
+    """Key positions [B, L] -> K, V [B, Hkv, L, D] from packed [total_k, Hkv, D]."""
     def read(pos):
         rows = (cu_seqlens_k[:-1].long()[:, None] + pos).clamp(0, max(k.shape[0] - 1, 0))
         return k[rows].transpose(1, 2), v[rows].transpose(1, 2)
@@ -267,7 +269,7 @@ def _sdpa(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
         # head share its mask row, so they become that head's queries: [B, Hkv, group, D].
         seqs = torch.arange(len(batch.lens_q), device=q.device)[:, None]
         mask = mask_mod(seqs, None, 0, torch.arange(batch.k_width, device=q.device)[None, :])
-        grouped = q.unflatten(1, (num_kv_heads, num_q_heads // num_kv_heads))
+        grouped = q.reshape(q.shape[0], num_kv_heads, num_q_heads // num_kv_heads, -1)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask[:, None, None],
                                              scale=scale)
         out = out.where(mask.any(-1)[:, None, None, None], 0.0)  # sees nothing: zeros
@@ -297,7 +299,7 @@ def _sdpa_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, ca
     if k_scale is not None or v_scale is not None:
         raise ValueError("the sdpa backend has no fp8 cache support")
     return _sdpa(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
-                 _read_paged(k_cache, v_cache, block_tables), causal=causal, window=window,
+                 _read_paged(k_cache, v_cache, block_tables, q.dtype), causal=causal, window=window,
                  scale=scale)
 
 
@@ -368,7 +370,7 @@ def _flex_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, ca
     if k_scale is not None or v_scale is not None:
         raise ValueError("the flex backend has no fp8 cache support")
     return _flex(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
-                 _read_paged(k_cache, v_cache, block_tables), causal=causal, window=window,
+                 _read_paged(k_cache, v_cache, block_tables, q.dtype), causal=causal, window=window,
                  scale=scale)
 
 
@@ -435,7 +437,8 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
               "[B, Hkv, Lk, D] (at decode only a window's last keys), enable_gqa; compiled "
               "once with dynamic=True, so new lengths reuse the kernel; the block mask is "
               "built once per batch shape (lengths, causal, window) and cached, so the layers "
-              "of one step share it; a new shape still costs one create_block_mask",
+              "of one step share it; a new shape still costs one create_block_mask (dense "
+              "over [B, Lq, Lk] on the device); queries are padded as for sdpa",
         limits={
             "MLA": _NO_LATENT,
             "KV cache dtypes": _NO_FP8_GATHER,
@@ -464,12 +467,17 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
               "[B, Hq, Lq, D] with one boolean mask (causal end-aligned + window + "
               "padding) and enable_gqa. Any boolean mask rules out the flash kernel on CUDA; "
               "in torch 2.11 a mask with enable_gqa also rules out the memory-efficient "
-              "kernel (it takes no GQA there), leaving cuDNN or the math kernel",
+              "kernel (it takes no GQA there), leaving cuDNN or the math kernel. Padding "
+              "costs work: a mixed batch pads every sequence's queries to the longest, so "
+              "the decodes beside a prefill chunk each compute Lq rows",
         limits={
             "MLA": _NO_LATENT,
             "KV cache dtypes": _NO_FP8_GATHER,
-            "paged KV": Limit("the library", "SDPA takes dense [B, H, L, D] tensors: it has "
-                                             "no block-table input"),
+            "paged KV": Limit(
+                "the library", "F.scaled_dot_product_attention takes dense [B, H, L, D] "
+                "tensors and no block table; PyTorch's separate varlen_attn (CUDA, flash) "
+                "takes cu_seqlens, and in newer releases a block table: this backend is "
+                "SDPA, so it gathers"),
             "CUDA Graph capture": Limit(
                 "labkit's wrapper", f"{_HOST_LENGTHS} and to choose mask or none; SDPA's "
                 "kernels themselves can be captured at fixed shapes"),

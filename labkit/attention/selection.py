@@ -9,8 +9,8 @@ it too (``skip_slow=True``: on CPU they pass over what would compute right but s
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -99,7 +99,7 @@ class AttentionSpec:
         return "MQA" if self.num_kv_heads == 1 else "GQA"
 
     @classmethod
-    def here(cls, device: str | torch.device | None = None, **fields) -> "AttentionSpec":
+    def here(cls, device: str | torch.device | None = None, **fields) -> AttentionSpec:
         """A spec for ``device`` (default: this machine's GPU, else its CPU) and, on a GPU, its
         compute capability."""
         if device is None:
