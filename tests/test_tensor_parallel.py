@@ -7,17 +7,17 @@ serial match to atol 1e-6. Processes: gloo on the CPU, 2 ranks, spawned by labki
 """
 import json
 
-import labkit  # noqa: F401  (device set-up first)
 import pytest
 import torch
 
+import labkit  # noqa: F401  (device set-up first)
 from labkit.distributed import tensor_parallel as tp
 from labkit.distributed.rank_runner import pick_backend, run_ranks
 from labkit.lessons import multi_gpu_overlap as mgo
 from labkit.lessons.multi_gpu_overlap import TPResult
 
-REF_TOL = dict(atol=1e-5, rtol=1e-5)
-CHUNK_TOL = dict(atol=1e-6, rtol=0)
+REF_TOL = {"atol": 1e-5, "rtol": 1e-5}
+CHUNK_TOL = {"atol": 1e-6, "rtol": 0}
 # 13 tokens: 2 and 5 chunks are uneven, 13 chunks is one token each, 1 chunk is the serial split.
 TOKENS, HIDDEN, FFN, CHUNKS = 13, 24, 40, (1, 2, 5, 13)
 
