@@ -20,7 +20,10 @@ another failed:
    request's own output tokens count as useful.
 
 Throughput is output tokens / wall time; warm-up (kernel JIT, graph capture, compilation) runs
-before the clock starts, for both. TTFT is from the moment all requests are handed over.
+before the clock starts, for both. The sections run in ``rounds`` rounds (default 3), each in a
+fresh shuffled order, so the machine's drift lands on all of them alike: a section reports its
+median pass with the range of its throughput, every ratio is the median of the per-round ratios
+with their range, and the 2x target over transformers is met only when every round clears it. TTFT is from the moment all requests are handed over.
 ``--quick`` (and any run without CUDA): ``ModelConfig.tiny()``, 8 short requests, float32.
 ``record()`` returns the results dict for ``make record``.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -39,11 +43,16 @@ import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit import check_positive_int
-from labkit.measure.bench import TritonCompiles
 from labkit.device import describe, fingerprint, free_memory, synchronize
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
-from labkit.lessons.putting_it_together.transformers_peer import run_transformers, summary
+from labkit.lessons.putting_it_together.transformers_peer import (
+    TransformersPeer,
+    summary,
+)
+from labkit.measure.bench import TritonCompiles
+from labkit.measure.rounds import Spread
 
+TARGET_VS_TRANSFORMERS = 2.0  # labkit's throughput over transformers', met in every round
 SECTIONS = ("labkit", "labkit_unfused", "labkit_eager", "prefix_cached", "prefix_uncached",
             "transformers")
 
@@ -63,6 +72,7 @@ class BenchmarkConfig:
     hf_batch_size: int = 64
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    rounds: int = 3              # passes over every section, each in a fresh shuffled order
 
     def __post_init__(self):
         for name in ("prompt_lens", "output_lens"):
@@ -72,9 +82,13 @@ class BenchmarkConfig:
         check_positive_int("num_requests", self.num_requests)
         check_positive_int("hf_batch_size", self.hf_batch_size,
                            hint="requests per transformers generate() call")
+        check_positive_int("rounds", self.rounds, hint="passes over every section")
+        if self.rounds < 3:
+            raise ValueError(f"rounds must be at least 3 for a range to mean anything, got "
+                             f"{self.rounds}")
 
     @classmethod
-    def small(cls) -> "BenchmarkConfig":
+    def small(cls) -> BenchmarkConfig:
         # A wide init keeps greedy argmaxes far from ties, so labkit and transformers must agree
         # token for token (the benchmark's own correctness guard).
         return cls(num_requests=8, prompt_lens=(4, 24), output_lens=(2, 8), system_prompt_len=32,
@@ -146,29 +160,50 @@ def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=Fal
         free_memory(model.embed_tokens.device)  # one section's cache must not crowd the next
 
 
-# --- the run ----------------------------------------------------------------------------------
+# --- the run ---------------------------------------------------------------------------------
 
-def _section(results, name, fn, device):
+def _attempt(name, fn, errors):
+    """One section's pass; a failure is kept (the first one per section) and the rest go on."""
     try:
-        summary, tokens = fn()
-        results["sections"][name] = summary
-        return tokens
+        return fn()
     except Exception as exc:  # noqa: BLE001  (a failed section is reported; the rest go on)
         print(f"  {name}: FAILED ({type(exc).__name__}: {str(exc)[:300]})")
-        results["sections"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        free_memory(device)
+        errors.setdefault(name, f"{type(exc).__name__}: {exc}")
         return None
 
 
-def _ratio(results, a, b) -> float | None:
-    sa, sb = results["sections"].get(a, {}), results["sections"].get(b, {})
-    if sa.get("tokens_per_s") and sb.get("tokens_per_s"):
-        return sa["tokens_per_s"] / sb["tokens_per_s"]
-    return None
+def _spread_dict(spread: Spread | None) -> dict | None:
+    return None if spread is None else {"median": spread.median, "low": spread.low,
+                                        "high": spread.high, "values": list(spread.values)}
+
+
+def _ratio(passes, a, b) -> Spread | None:
+    """Throughput of ``a`` over ``b``, taken within each round (both ran in it): its median
+    and range over the rounds."""
+    per = [ra["tokens_per_s"] / rb["tokens_per_s"] for ra, rb in zip(passes[a], passes[b])
+           if ra and rb and ra.get("tokens_per_s") and rb.get("tokens_per_s")]
+    return Spread.of(per) if per else None
+
+
+def _median_pass(runs: list[dict]) -> dict:
+    """The pass with the median throughput, and the throughput of every pass beside it."""
+    tps = [r["tokens_per_s"] for r in runs]
+    mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    return mid | {"rounds_tokens_per_s": tps, "tokens_per_s_low": min(tps),
+                  "tokens_per_s_high": max(tps)}
+
+
+RATIOS = {"ratio_vs_transformers": ("labkit", "transformers"),
+          "graphs_gain": ("labkit_unfused", "labkit_eager"),
+          "fused_gain": ("labkit", "labkit_unfused"),
+          "prefix_gain": ("prefix_cached", "prefix_uncached")}
 
 
 def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfig | None = None
         ) -> dict:
+    """Every section once per round, ``cfg.rounds`` rounds, each in a fresh shuffled order
+    (drawn from the seed): a section's figures are its median pass, every ratio the median of
+    the per-round ratios with their range."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = config
     if cfg is None:
@@ -186,39 +221,55 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
                "device": device.type, "fingerprint": fingerprint(), "sections": {}}
     print(f"{cfg.num_requests} requests, {sum(map(len, prompts)):,} prompt tokens, "
           f"{requested:,} output tokens, "
-          f"{cfg.model_config.num_parameters() / 1e9:.2f}B parameters, {cfg.dtype}")
+          f"{cfg.model_config.num_parameters() / 1e9:.2f}B parameters, {cfg.dtype}; "
+          f"{cfg.rounds} rounds")
     model = random_model(cfg.model_config, seed=cfg.seed, device=device, dtype=cfg.torch_dtype,
                          std=cfg.init_std)
-    ours = _section(results, "labkit", lambda: run_labkit(model, prompts, olens, cfg), device)
-    _section(results, "labkit_unfused",
-             lambda: run_labkit(model, prompts, olens, cfg, fused_ops=False), device)
-    _section(results, "labkit_eager",
-             lambda: run_labkit(model, prompts, olens, cfg, enforce_eager=True, fused_ops=False),
-             device)
     shared = [system + p for p in prompts]
-    _section(results, "prefix_cached", lambda: run_labkit(model, shared, olens, cfg), device)
-    _section(results, "prefix_uncached",
-             lambda: run_labkit(model, shared, olens, cfg, enable_prefix_caching=False),
-             device)
+    labkit_runs = {
+        "labkit": lambda: run_labkit(model, prompts, olens, cfg),
+        "labkit_unfused": lambda: run_labkit(model, prompts, olens, cfg, fused_ops=False),
+        "labkit_eager": lambda: run_labkit(model, prompts, olens, cfg, enforce_eager=True,
+                                           fused_ops=False),
+        "prefix_cached": lambda: run_labkit(model, shared, olens, cfg),
+        "prefix_uncached": lambda: run_labkit(model, shared, olens, cfg,
+                                              enable_prefix_caching=False),
+    }
+    errors: dict[str, str] = {}
+    passes: dict[str, list] = {name: [] for name in SECTIONS}
+    tokens: dict[str, list] = {}
+    rng = random.Random(cfg.seed)
     with tempfile.TemporaryDirectory(prefix="labkit_bench_") as tmp:
-        theirs = None
+        peer = _attempt("transformers", lambda: (save_weights(model, tmp), TransformersPeer(
+            tmp, prompts, olens, device=device, dtype=cfg.torch_dtype,
+            batch_size=cfg.hf_batch_size,
+            compile_forward=device.type == "cuda" and not cfg.quick))[1], errors)
+        runs = dict(labkit_runs, transformers=peer.run if peer is not None else None)
         try:
-            save_weights(model, tmp)
-            del model
-            free_memory(device)
-            theirs = _section(results, "transformers",
-                              lambda: run_transformers(
-                                  tmp, prompts, olens, device=device, dtype=cfg.torch_dtype,
-                                  batch_size=cfg.hf_batch_size,
-                                  compile_forward=device.type == "cuda" and not cfg.quick),
-                              device)
-        except Exception as exc:  # noqa: BLE001
-            results["sections"]["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"  transformers: FAILED ({type(exc).__name__}: {exc})")
-    results["ratio_vs_transformers"] = _ratio(results, "labkit", "transformers")
-    results["graphs_gain"] = _ratio(results, "labkit_unfused", "labkit_eager")
-    results["fused_gain"] = _ratio(results, "labkit", "labkit_unfused")
-    results["prefix_gain"] = _ratio(results, "prefix_cached", "prefix_uncached")
+            for r in range(cfg.rounds):
+                for name in rng.sample(SECTIONS, len(SECTIONS)):
+                    if runs[name] is None or name in errors:
+                        passes[name].append(None)
+                        continue
+                    out = _attempt(name, runs[name], errors)
+                    passes[name].append(out[0] if out else None)
+                    if out and r == 0:
+                        tokens[name] = out[1]
+        finally:
+            if peer is not None:
+                peer.close()
+    for name in SECTIONS:
+        done = [p for p in passes[name] if p]
+        results["sections"][name] = ({"error": errors[name]} if name in errors or not done
+                                     else _median_pass(done))
+    spreads = {key: _ratio(passes, *pair) for key, pair in RATIOS.items()}
+    for key, spread in spreads.items():
+        results[key] = spread.median if spread is not None else None
+    results["ratios"] = {key: _spread_dict(s) for key, s in spreads.items()}
+    target = spreads["ratio_vs_transformers"]
+    results["target"] = {"ratio_vs_transformers": TARGET_VS_TRANSFORMERS,
+                         "met": bool(target is not None and target.above(TARGET_VS_TRANSFORMERS))}
+    ours, theirs = tokens.get("labkit"), tokens.get("transformers")
     if ours is not None and theirs is not None:
         same = sum(a == b for a, b in zip(ours, theirs))
         first = sum(a[:1] == b[:1] for a, b in zip(ours, theirs))
@@ -227,38 +278,49 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
         results["greedy_agreement"] = {"requests": len(ours), "identical": same,
                                        "first_token_identical": first,
                                        "median_common_prefix": statistics.median(common)}
-    _report(results, cfg)
+    _report(results, cfg, spreads)
     if out_dir is not None:
         _write(results, Path(out_dir))
     return results
 
 
-def _report(results, cfg: BenchmarkConfig) -> None:
-    print(f"{'section':<17}{'tokens':>9}{'seconds':>10}{'tok/s':>11}{'TTFT ms':>10}"
+def verdict(spread: Spread | None, target: float) -> str:
+    """A target is met only when every round clears it; a range that straddles it is noise."""
+    if spread is None:
+        return "not measured"
+    if spread.above(target):
+        return f"meets the {target:g}x target in every round"
+    if spread.median > target:
+        return f"the range straddles the {target:g}x target: not met"
+    return f"misses the {target:g}x target"
+
+
+def _report(results, cfg: BenchmarkConfig, spreads: dict) -> None:
+    print(f"{'section':<17}{'tokens':>9}{'seconds':>10}{'tok/s':>11}{'range':>19}{'TTFT ms':>10}"
           f"{'TPOT ms':>10}")
     for name in SECTIONS:
         s = results["sections"][name]
         if "error" in s:
             print(f"{name:<17} FAILED: {s['error'][:200]}")
             continue
+        span = f"{s['tokens_per_s_low']:,.0f}-{s['tokens_per_s_high']:,.0f}"
         print(f"{name:<17}{s['output_tokens']:>9,}{s['seconds']:>10.2f}{s['tokens_per_s']:>11,.0f}"
-              f"{s['ttft_median_ms'] or float('nan'):>10.1f}"
+              f"{span:>19}{s['ttft_median_ms'] or float('nan'):>10.1f}"
               f"{s['tpot_median_ms'] or float('nan'):>10.2f}"
               + (f"  ({s['triton_compiles']} Triton compiles inside the clock)"
                  if s.get("triton_compiles") else ""))
-    ratio = results["ratio_vs_transformers"]
+    ratio = spreads["ratio_vs_transformers"]
     if ratio is not None:
-        verdict = "meets" if ratio >= 2 else "misses"
-        print(f"labkit / transformers: {ratio:.2f}x ({verdict} the 2x target"
+        print(f"labkit / transformers: {ratio:.2fx} ({verdict(ratio, TARGET_VS_TRANSFORMERS)}"
               f"{'; quick mode: not the target workload' if cfg.quick else ''})")
-    if results["graphs_gain"] is not None:
-        print(f"CUDA Graphs on / off (both unfused): {results['graphs_gain']:.2f}x")
-    if results["fused_gain"] is not None:
-        print(f"fused layer ops on / off: {results['fused_gain']:.2f}x")
-    if results["prefix_gain"] is not None:
+    if spreads["graphs_gain"] is not None:
+        print(f"CUDA Graphs on / off (both unfused): {spreads['graphs_gain']:.2fx}")
+    if spreads["fused_gain"] is not None:
+        print(f"fused layer ops on / off: {spreads['fused_gain']:.2fx}")
+    if spreads["prefix_gain"] is not None:
         hit = results["sections"]["prefix_cached"]["prefix_hit_rate"]
         print(f"shared {cfg.system_prompt_len}-token system prompt: prefix hit rate {hit:.1%}, "
-              f"caching on / off {results['prefix_gain']:.2f}x")
+              f"caching on / off {spreads['prefix_gain']:.2fx}")
     if "greedy_agreement" in results:
         g = results["greedy_agreement"]
         print(f"greedy outputs identical to transformers: {g['identical']}/{g['requests']}; "
@@ -293,10 +355,14 @@ if __name__ == "__main__":
                         help="tiny model, 8 short requests, float32 (automatic without CUDA)")
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="requests per transformers generate() call (default 64)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="passes over every section, shuffled each time (default 3)")
     args = parser.parse_args()
     cfg = None
-    if args.hf_batch_size is not None:
+    changes = {k: v for k, v in (("hf_batch_size", args.hf_batch_size),
+                                 ("rounds", args.rounds)) if v is not None}
+    if changes:
         quick = args.quick or not torch.cuda.is_available()
         base = BenchmarkConfig.small() if quick else BenchmarkConfig()
-        cfg = BenchmarkConfig(**{**asdict(base), "hf_batch_size": args.hf_batch_size})
+        cfg = BenchmarkConfig(**{**asdict(base), **changes})
     run(args.out, quick=args.quick, config=cfg)

@@ -57,20 +57,30 @@ def test_transformers_generates_labkits_greedy_tokens(quick):
         "comparison")
 
 
-def test_ratios_are_the_measured_throughputs_divided(quick):
+def test_ratios_are_per_round_throughputs_divided_with_their_range(quick):
     results, _ = quick
     s = results["sections"]
     for name, sec in s.items():
         assert sec["seconds"] > 0 and sec["tokens_per_s"] == pytest.approx(
             sec["output_tokens"] / sec["seconds"]), name
-    assert results["ratio_vs_transformers"] == pytest.approx(
-        s["labkit"]["tokens_per_s"] / s["transformers"]["tokens_per_s"])
-    assert results["graphs_gain"] == pytest.approx(
-        s["labkit_unfused"]["tokens_per_s"] / s["labkit_eager"]["tokens_per_s"])
-    assert results["fused_gain"] == pytest.approx(
-        s["labkit"]["tokens_per_s"] / s["labkit_unfused"]["tokens_per_s"])
-    assert results["prefix_gain"] == pytest.approx(
-        s["prefix_cached"]["tokens_per_s"] / s["prefix_uncached"]["tokens_per_s"])
+        assert len(sec["rounds_tokens_per_s"]) == 3, f"{name}: one pass per round"
+        assert sec["tokens_per_s_low"] <= sec["tokens_per_s"] <= sec["tokens_per_s_high"]
+    for key, (a, b) in bench.RATIOS.items():
+        per = [x / y for x, y in zip(s[a]["rounds_tokens_per_s"], s[b]["rounds_tokens_per_s"])]
+        r = results["ratios"][key]
+        assert r["values"] == pytest.approx(per), key
+        assert r["low"] <= results[key] == r["median"] <= r["high"]
+
+
+def test_a_target_is_met_only_when_every_round_clears_it():
+    from labkit.measure.rounds import Spread
+    assert bench.verdict(Spread.of([2.1, 2.4, 2.2]), 2.0).startswith("meets")
+    assert "straddles" in bench.verdict(Spread.of([1.9, 2.4, 2.2]), 2.0), \
+        "a median above the target with one round below it is noise, not a result"
+    assert bench.verdict(Spread.of([1.5, 1.7, 1.6]), 2.0).startswith("misses")
+    assert bench.BenchmarkConfig().rounds >= 3
+    with pytest.raises(ValueError, match="rounds must be at least 3"):
+        bench.BenchmarkConfig(rounds=2)
 
 
 def test_latencies_are_reported_for_every_section(quick):
@@ -99,10 +109,10 @@ def test_a_failing_peer_is_reported_and_the_other_sections_still_run(monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("peer exploded")
 
-    monkeypatch.setattr(bench, "run_transformers", broken)
+    monkeypatch.setattr(bench, "TransformersPeer", broken)
     results = bench.run(None, quick=True)
     assert results["sections"]["transformers"] == {"error": "RuntimeError: peer exploded"}
-    assert results["ratio_vs_transformers"] is None
+    assert results["ratio_vs_transformers"] is None and not results["target"]["met"]
     assert all("error" not in results["sections"][n] for n in bench.SECTIONS[:-1])
     table_line = [ln for ln in capsys.readouterr().out.splitlines()
                   if ln.startswith("transformers ")]

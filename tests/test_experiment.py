@@ -4,15 +4,15 @@ counts it, and record() on tiny sizes."""
 import json
 import math
 
-import labkit  # noqa: F401  (interpreter on before triton is imported, where there is no GPU)
 import pandas as pd
 import pytest
 import torch
 
-from labkit.lessons.putting_it_together import engine_steps as steps
-from labkit.lessons.putting_it_together import experiment as ex
+import labkit  # noqa: F401  (interpreter on before triton is imported, where there is no GPU)
 from labkit.attention import BACKENDS
 from labkit.engine import LLM, ModelConfig, random_model
+from labkit.lessons.putting_it_together import engine_steps as steps
+from labkit.lessons.putting_it_together import experiment as ex
 from labkit.measure.profile import EVENT_COLUMNS, Trace
 
 CPU = torch.device("cpu")
@@ -90,7 +90,7 @@ def test_a_backend_that_raises_mid_run_is_a_failed_row_with_the_error(tiny_model
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(LLM, "generate", broken)
-    row, log, tokens = ex.run_one(tiny_model, SMALL, "sdpa", "eager")
+    row, _log, tokens = ex.run_one(tiny_model, SMALL, "sdpa", "eager")
     assert (row["status"], row["chosen"], tokens) == ("failed", "sdpa", None)
     assert row["reason"] == "RuntimeError: kernel exploded"
 
@@ -136,6 +136,8 @@ def test_bucket_costs_price_padding_and_gain_from_step_times():
     assert costs.loc["padded", "padding_ms"] == pytest.approx(0.5)
     assert costs.loc["padded", "gain_ms"] == pytest.approx(10.0 - 1.7)
     assert costs.loc["padded", "gain_eaten"] == pytest.approx(0.5 / (0.5 + 8.3))
+    assert costs.loc["padded", "padding_share"] == pytest.approx(0.5 / 1.2), \
+        "padding against the same step replayed at its exact size, whatever eager costs"
 
 
 def _events(rows):
@@ -176,6 +178,8 @@ def test_decode_step_times_on_cpu_time_eager_only(tiny_model):
     llm = LLM(tiny_model, enforce_eager=True, num_blocks=4, max_num_seqs=4, max_model_len=48)
     times = steps.decode_step_times(llm, [1, 3], context_len=40, repeats=2)
     assert list(times.batch) == [1, 3] and (times.eager_ms > 0).all()
+    assert (times.eager_low_ms <= times.eager_ms).all() and (times.eager_ms <= times.eager_high_ms).all()
+    assert all(len(r) == 3 for r in times.eager_rounds_ms), "three interleaved rounds per case"
     assert times.graph_ms.isna().all(), "no graphs without CUDA"
     with pytest.raises(ValueError, match="context_len 80 needs 5 blocks"):
         steps.decode_step_times(llm, [1], context_len=80)
@@ -188,7 +192,7 @@ def test_record_with_tiny_sizes_on_cpu_is_json_and_round_trips():
                     context_len=32)
     text = json.dumps(out, allow_nan=False)  # NaN must not reach the recording
     back = json.loads(text)
-    assert {"table", "selection_logs", "model", "workload", "trace", "trace_numbers",
+    assert {"table", "selection_logs", "model", "workload", "rounds", "trace", "trace_numbers",
             "step_times", "bucket_costs", "server_decode_batches", "seconds"} <= set(back)
     e = ex.Experiment.from_dict(back)
     assert len(e.table) == 2 * (len(BACKENDS) + 1) and list(e.table.columns) == ex.COLUMNS
@@ -237,3 +241,5 @@ def test_gpu_record_with_tiny_sizes_shows_copies_and_graph_replays():
     assert n["graph_launches"] > 0 and n["h2d_on_copy_stream"] > 0, n
     times = pd.DataFrame(out["step_times"])
     assert times.graph_ms.notna().all() and not math.isnan(times.eager_ms.sum())
+    assert (times.eager_gpu_ms < times.eager_ms).all(), "the eager step's kernels beside its wall time"
+    assert {"rounds", "first_token_tie_max"} <= set(out) and len(out["rounds"]["round"]) > 0

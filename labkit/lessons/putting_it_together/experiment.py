@@ -58,7 +58,7 @@ def engine_limit(name: str, device: torch.device) -> str | None:
     b = BACKENDS[name]
     fixed = getattr(b, "fixed_shapes", None)
     if fixed is None:  # no field for it: read the declared compile settings in the notes
-        fixed = bool(re.search(r"fixed[- ]shape|dynamic=False|recompil", b.notes))
+        fixed = bool(re.search(r"fixed shapes|dynamic=False", b.notes))
     if device.type == "cuda" and fixed:
         return (f"not timed: labkit's {name} wrapper is compiled for fixed shapes and every "
                 f"engine step brings a new KV length, so it would time recompiles "

@@ -94,34 +94,40 @@ def _hf_generate(hf, prompts, max_new, clock):
     return out[:, width:].tolist()
 
 
-def run_transformers(path, prompts: list[list[int]], olens: list[int], *, device: torch.device,
-                     dtype: torch.dtype, batch_size: int, compile_forward: bool
-                     ) -> tuple[dict, list[list[int]]]:
-    """Greedy generation of ``olens[i]`` tokens for each prompt with transformers' Llama from the
-    checkpoint at ``path``, in batches of similar prompt lengths: (summary, tokens per request).
-    Warm-up (one short generate per batch shape, so every compile happens) is off the clock."""
-    hf, how = load_transformers(path, device, dtype, compile_forward)
-    print(f"  transformers: static cache, compile {how}, batches of {batch_size}")
-    try:
-        batches = hf_batches(prompts, batch_size)
+class TransformersPeer:
+    """transformers' Llama loaded once from the checkpoint at ``path`` and warmed up (one short
+    generate per batch shape, so every compile happens off the clock); :meth:`run` is one timed
+    pass over every request, so the benchmark can interleave passes with its labkit runs."""
+
+    def __init__(self, path, prompts: list[list[int]], olens: list[int], *,
+                 device: torch.device, dtype: torch.dtype, batch_size: int,
+                 compile_forward: bool):
+        self.hf, self.how = load_transformers(path, device, dtype, compile_forward)
+        self.prompts, self.olens, self.device = prompts, olens, device
+        print(f"  transformers: static cache, compile {self.how}, batches of {batch_size}")
+        self.batches = hf_batches(prompts, batch_size)
         if compile_forward:  # one compiled decode graph per batch shape, none left eager
             import torch._dynamo
             limit = getattr(torch._dynamo.config, "recompile_limit", None)
             name = "recompile_limit" if limit is not None else "cache_size_limit"
             setattr(torch._dynamo.config, name,
-                    max(getattr(torch._dynamo.config, name), 2 * len(batches) + 8))
-        for b in batches:  # compile for each batch's cache shape, off the clock
-            _hf_generate(hf, [prompts[i] for i in b], max(olens[i] for i in b),
+                    max(getattr(torch._dynamo.config, name), 2 * len(self.batches) + 8))
+        for b in self.batches:  # compile for each batch's cache shape, off the clock
+            _hf_generate(self.hf, [prompts[i] for i in b], max(olens[i] for i in b),
                          _StepClock(device, stop_after=5))
+
+    def run(self) -> tuple[dict, list[list[int]]]:
+        """Greedy generation of ``olens[i]`` tokens for each prompt: (summary, tokens)."""
+        prompts, olens = self.prompts, self.olens
         tokens: list[list[int] | None] = [None] * len(prompts)
         ttfts, tpots = [None] * len(prompts), [None] * len(prompts)
         wasted, batch_seconds = 0, []
         t0 = time.perf_counter()
-        for b in batches:
-            clock = _StepClock(device)
+        for b in self.batches:
+            clock = _StepClock(self.device)
             start = time.perf_counter()
             max_new = max(olens[i] for i in b)
-            out = _hf_generate(hf, [prompts[i] for i in b], max_new, clock)
+            out = _hf_generate(self.hf, [prompts[i] for i in b], max_new, clock)
             for row, i in enumerate(b):  # only the request's own tokens are useful
                 n = olens[i]
                 tokens[i] = out[row][:n]
@@ -134,9 +140,22 @@ def run_transformers(path, prompts: list[list[int]], olens: list[int], *, device
         if short:
             raise RuntimeError(f"transformers produced the wrong number of tokens for requests "
                                f"{short[:5]}")
-        return summary(sum(map(len, tokens)), seconds, ttfts, tpots, compile=how,
-                        batches=len(batches), wasted_tokens=wasted,
-                        batch_seconds=batch_seconds), tokens
+        return summary(sum(map(len, tokens)), seconds, ttfts, tpots, compile=self.how,
+                       batches=len(self.batches), wasted_tokens=wasted,
+                       batch_seconds=batch_seconds), tokens
+
+    def close(self) -> None:
+        del self.hf
+        free_memory(self.device)  # one section's cache must not crowd the next
+
+
+def run_transformers(path, prompts: list[list[int]], olens: list[int], *, device: torch.device,
+                     dtype: torch.dtype, batch_size: int, compile_forward: bool
+                     ) -> tuple[dict, list[list[int]]]:
+    """One warmed-up, timed pass of :class:`TransformersPeer`: (summary, tokens per request)."""
+    peer = TransformersPeer(path, prompts, olens, device=device, dtype=dtype,
+                            batch_size=batch_size, compile_forward=compile_forward)
+    try:
+        return peer.run()
     finally:
-        del hf
-        free_memory(device)  # one section's cache must not crowd the next
+        peer.close()
