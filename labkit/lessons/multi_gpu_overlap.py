@@ -9,9 +9,9 @@ on one timeline. :func:`overlap_metrics` says how well a step hid its communicat
 
 The bound's two terms, compute and communication, are timed inside a step that runs both, one
 after the other (:class:`SequentialStep`: the chunked matmuls, then their all-reduces, a clock
-mark between the two), in the same rounds as the steps they bound. Timed alone, later and back
-to back, each costs more than it does inside a step: the recorded serial step was shorter than
-compute alone + comm alone, and the bounded metrics built on them passed 1.
+mark between the two), in the same rounds as the steps they bound. Timed alone, each back to
+back for many repetitions, a part can cost more than it does inside a step (a serial step
+shorter than compute alone + comm alone), and bounded metrics built on such parts pass 1.
 """
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ from labkit.teaching import claim
 # of_pipeline and hidden_fraction are at most 1 whatever the hardware. (hidden_fraction below 0
 # is possible: overlapped, the two slowed each other more than overlap hid.)
 BOUNDS = {"efficiency": 1.0, "of_pipeline": 1.0, "hidden_fraction": 1.0}
+# With one chunk, or compute far above comm, a bound is met with equality: timings of the same
+# work then land on both sides of it. Past it by more than this, in every round, is not noise.
+BOUND_TOLERANCE = 0.03
 
 
 def overlap_metrics(serial_us: float, overlapped_us: float, compute_us: float,
@@ -79,10 +82,15 @@ def overlap_metrics(serial_us: float, overlapped_us: float, compute_us: float,
 
 
 def out_of_model(spreads: dict[str, Spread]) -> list[str]:
-    """The bounded metrics (:data:`BOUNDS`) that passed their bound in every round: a bug in
-    the metric or in the model, never a result. A range that only straddles the bound is noise."""
-    return [name for name, bound in BOUNDS.items()
-            if name in spreads and spreads[name].above(bound)]
+    """The bounded metrics (:data:`BOUNDS`) that passed their bound by more than
+    :data:`BOUND_TOLERANCE` in every round: a bug in the metric or in the model, never a result.
+    A range that only straddles the bound is noise. hidden_fraction <= 1 is the inequality of
+    efficiency <= 1 (overlapped >= max(compute, comm)) divided by the shorter side, which
+    magnifies a step's noise: it is judged on the step's scale, with efficiency."""
+    past = [name for name in ("efficiency", "of_pipeline")
+            if name in spreads and spreads[name].above(BOUNDS[name] * (1 + BOUND_TOLERANCE))]
+    return past + (["hidden_fraction"] if "efficiency" in past and "hidden_fraction" in spreads
+                   else [])
 
 
 def gain_verdict(gain: Spread) -> str:
@@ -153,7 +161,7 @@ class SequentialStep:
         mark(1)
         works = [dist.all_reduce(y[rows], group=self.layer.group, async_op=True)
                  for rows in self.chunks]
-        for work in works:  # a sync op makes the current stream wait for NCCL's: mark 2 is after
+        for work in works:  # wait() holds the current stream until NCCL's is done: mark 2 follows
             work.wait()
         mark(2)
         return y
@@ -361,8 +369,8 @@ class TPResult:
 
     @property
     def has_rounds(self) -> bool:
-        """Timed in interleaved rounds with the in-step split (a recording made before has
-        one median per rank and case, its compute and comm timed alone)."""
+        """Timed in interleaved rounds with the in-step split; a recording without rounds holds
+        one median per rank and case, its compute and comm timed alone."""
         return all("rounds" in r for r in self.ranks)
 
     @property
@@ -371,8 +379,8 @@ class TPResult:
         and comm come from the rank that finished computing last: the other rank's comm time
         holds its wait for that peer."""
         if not self.has_rounds:
-            raise ValueError("this result has no rounds (recorded before the experiment timed "
-                             "in rounds): re-record it with `make record`")
+            raise ValueError("this result has no rounds (one median per rank and case): "
+                             "re-record it with `make record` on a 2-GPU host")
         per_rank = [r["rounds"] for r in self.ranks]
         rows = []
         for i in range(len(per_rank[0]["serial"])):
@@ -416,8 +424,8 @@ class TPResult:
                                    int(r.num_chunks))}
                 for r in slowest.itertuples()]
         table = pd.DataFrame(rows)
-        table["out_of_model"] = [", ".join(n for n, b in BOUNDS.items() if row[n] > b) or "-"
-                                 for _, row in table.iterrows()]
+        table["out_of_model"] = [", ".join(out_of_model({n: Spread.of([row[n]]) for n in BOUNDS}))
+                                 or "-" for _, row in table.iterrows()]
         return table
 
     @property
@@ -592,12 +600,13 @@ def rounds_claims(results: list[TPResult], where: str, recorded=None) -> list:
             out += [f"ffn {r.experiment.ffn}, {r.experiment.tokens} tokens, {k} chunks: {name} "
                     f"{spreads[name]:.3f}" for name in out_of_model(spreads)]
             medians += [(name, spreads[name].median) for name in BOUNDS]
-            noisy += sum(spreads[name].median > bound and not spreads[name].above(bound)
+            noisy += sum(spreads[name].median > bound and name not in out_of_model(spreads)
                          for name, bound in BOUNDS.items())
     largest = {name: max(v for n, v in medians if n == name) for name in BOUNDS}
-    made = [claim("{verdict} {where}: efficiency, of_pipeline and hidden_fraction, each at most "
-                  "1 by the model, passed 1 in every round at no chunk count (largest medians "
-                  "{eff:.3f}, {pipe:.3f}, {hid:.3f}{noisy}).{out}", not out,
+    made = [claim("{verdict} {where}: efficiency and of_pipeline, each at most 1 by the model, "
+                  "passed 1 by more than {tol:.0%} (timing noise) in every round at no chunk "
+                  "count, nor did hidden_fraction, whose bound is efficiency's (largest medians "
+                  "{eff:.3f}, {pipe:.3f}, {hid:.3f}{noisy}).{out}", not out, tol=BOUND_TOLERANCE,
                   verdict="No bounded metric is out of model" if not out else
                   "Some bounded metrics are out of model", where=where,
                   eff=largest["efficiency"], pipe=largest["of_pipeline"],
