@@ -68,13 +68,16 @@ def first_token_claim(exp, where: str, *, recorded=None):
     ties = int(pd.to_numeric(ran.first_token_ties, errors="coerce").fillna(0).max())
     excluded = ("; did not pass, left out of every conclusion below: "
                 + ", ".join(failed.backend + "/" + failed["mode"])) if len(failed) else ""
+    band = ("the model runs in float32: no rounding band, every one an exact match"
+            if exp.first_token_tie_max == 0 else
+            f"up to {ties} per row were near-ties: float32 logits within "
+            f"{exp.first_token_tie_max:.3f} of the top one, the band the model's own dtype "
+            f"rounds across")
     return claim("On {where}, {passed} of {ran} rows gave, for all {n} requests, the first token "
-                 "of the model's float32 forward or a near-tie of it (up to {ties} per row were "
-                 "near-ties: float32 logits within {tie:.3f} of the top one, the band the "
-                 "model's own dtype rounds across){excluded}.",
+                 "of the model's float32 forward or a near-tie of it ({band}){excluded}.",
                  len(must) > 0 and bool(must.passed.eq(True).all()),
-                 where=where, passed=len(ran) - len(failed), ran=len(ran), n=n, ties=ties,
-                 tie=exp.first_token_tie_max, excluded=excluded, recorded=recorded)
+                 where=where, passed=len(ran) - len(failed), ran=len(ran), n=n, band=band,
+                 excluded=excluded, recorded=recorded)
 
 
 def graph_claims(exp, where: str, backend: str = "triton", *, recorded=None) -> list:
@@ -141,7 +144,8 @@ def simulation_claim(exp, simulated_steps: int):
     steps = sorted({int(s) for s in ran.steps})
     return claim("Every row that ran took {steps} engine steps; the scheduler alone, with no "
                  "model, plans {simulated} for this workload: batches depend only on lengths.",
-                 len(ran) > 0 and steps == [simulated_steps], steps=steps,
+                 len(ran) > 0 and steps == [simulated_steps],
+                 steps=" or ".join(map(str, steps)),
                  simulated=simulated_steps)
 
 

@@ -253,7 +253,10 @@ class Experiment:
 
     @classmethod
     def from_dict(cls, d: dict) -> Experiment:
-        return cls(pd.DataFrame(d["table"]).reindex(columns=COLUMNS), d["selection_logs"],
+        table = pd.DataFrame(d["table"]).reindex(columns=COLUMNS)
+        if "rounds" not in d:  # one round: no steady range to take a warm-up against
+            table["warmup_s"] = float("nan")
+        return cls(table, d["selection_logs"],
                    d["model"], d["workload"], pd.DataFrame(d.get("rounds", {})),
                    d.get("first_token_tie_max", 0.0))
 
