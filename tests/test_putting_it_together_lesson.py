@@ -15,6 +15,8 @@ from labkit.engine import ModelConfig, random_model
 from labkit.lessons.putting_it_together import claims as pc
 from labkit.lessons.putting_it_together import engine_steps as steps
 from labkit.lessons.putting_it_together import experiment as ex
+from labkit.lessons.putting_it_together import first_token as ft
+from labkit.lessons.putting_it_together import peers
 from labkit.tools import recorded
 
 CPU = torch.device("cpu")
@@ -90,18 +92,18 @@ def _truth(top, second, tie):
 
 def test_a_near_tie_counts_as_the_right_first_token_and_a_far_token_does_not():
     truth = [_truth(3, 5, 0.2), _truth(1, 2, 0.2)]
-    assert ex.first_token_check([[3], [1]], truth) == (1.0, 0)
-    assert ex.first_token_check([[5], [1]], truth) == (1.0, 1), "within the band: a near-tie"
-    assert ex.first_token_check([[0], [1]], truth) == (0.5, 0), "a logit 1.0 below: wrong"
+    assert ft.first_token_check([[3], [1]], truth) == (1.0, 0)
+    assert ft.first_token_check([[5], [1]], truth) == (1.0, 1), "within the band: a near-tie"
+    assert ft.first_token_check([[0], [1]], truth) == (0.5, 0), "a logit 1.0 below: wrong"
     exact = [_truth(3, 5, 0.2) | {"tie": 0.0}]  # 5 is 0.05 below: a tie only in bf16
-    assert ex.first_token_check([[5]], exact) == (0.0, 0), "float32: no band, exact match"
+    assert ft.first_token_check([[5]], exact) == (0.0, 0), "float32: no band, exact match"
 
 
 def test_the_float32_truth_has_no_band_and_a_bf16_model_has_one(tiny_model):
     prompts = SMALL.requests(tiny_model.config.vocab_size)[0][:2]
-    assert all(t["tie"] == 0.0 for t in ex.first_token_truth(tiny_model, prompts))
+    assert all(t["tie"] == 0.0 for t in ft.first_token_truth(tiny_model, prompts))
     half = random_model(ModelConfig.tiny(), seed=0, device=CPU, dtype=torch.bfloat16)
-    assert all(t["tie"] > 0 for t in ex.first_token_truth(half, prompts))
+    assert all(t["tie"] > 0 for t in ft.first_token_truth(half, prompts))
 
 
 def test_a_row_with_wrong_first_tokens_does_not_pass_and_is_left_out(tiny_model, monkeypatch):
@@ -243,11 +245,11 @@ def test_the_committed_recording_names_the_fields_its_claims_need(rec):
 
 def test_peer_labels_follow_the_backends_declarations():
     from labkit.attention import BACKENDS
-    notes = ex.peer_notes().set_index("backend")
+    notes = peers.peer_notes().set_index("backend")
     for name, b in BACKENDS.items():
         assert notes.loc[name, "notes"] == b.notes and notes.loc[name, "cuda_graphs"] == b.cuda_graphs
         limit = getattr(b, "limits", {}).get("CUDA Graph capture")
         if limit is not None:
             assert notes.loc[name, "graph capture limit"].startswith(limit.by)
-    for name, why in ex.slow_here(torch.device("cuda")).items():
+    for name, why in peers.slow_here(torch.device("cuda")).items():
         assert BACKENDS[name].notes in why, "a GPU skip quotes the declaration it follows"

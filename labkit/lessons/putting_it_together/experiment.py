@@ -4,9 +4,12 @@ Forcing a backend, or turning graphs off, is a claim that it is faster (or neede
 claim is checked by changing ONE thing at a time: the same weights, the same token-id prompts
 and output lengths (greedy, no stop tokens, prefix caching off, so every run does the same
 work), one row per (backend, mode). Each row reports what the choice costs once (building the
-engine, graph capture included; the first run's extra time over a repeat: kernel JIT, warm-up)
-and in steady state (decode step time, TPOT, throughput, graph memory, padded rows). A row that
-cannot run here stays in the table with the reason: a refusal is a result too.
+engine, graph capture included; the cold first run's time above the steady runs: kernel JIT,
+warm-up) and in steady state (decode step time, TPOT, throughput, graph memory, padded rows),
+each the median over rounds that run every row in a fresh shuffled order, with its range. A
+row that cannot run here stays in the table with the reason: a refusal is a result too; a row
+whose first tokens are not the model's (:mod:`~labkit.lessons.putting_it_together.first_token`)
+has not passed, and no conclusion uses it.
 
 The timeline of a few steps and the padding study are in
 :mod:`labkit.lessons.putting_it_together.engine_steps`; :func:`record` measures all three on a
@@ -14,9 +17,7 @@ GPU. The requests are a :class:`~labkit.lessons.putting_it_together.workload.Wor
 """
 from __future__ import annotations
 
-import copy
 import random
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,9 +27,14 @@ import pandas as pd
 import torch
 
 from labkit import check_positive_int
-from labkit.attention import BACKENDS, CPU_SLOW, PRIORITY, BackendUnavailable
+from labkit.attention import BACKENDS, PRIORITY, BackendUnavailable
 from labkit.device import free_memory, select_device, synchronize
 from labkit.engine import LLM, LlamaModel, ModelConfig, random_model
+from labkit.lessons.putting_it_together.first_token import (
+    first_token_check,
+    first_token_truth,
+)
+from labkit.lessons.putting_it_together.peers import graph_limit, slow_here
 from labkit.lessons.putting_it_together.workload import Workload, engine_options
 from labkit.tools.recorded import json_columns
 
@@ -47,49 +53,6 @@ ROUND_COLUMNS = ["build_s", "capture_ms", "first_run_s", "steady_run_s", "decode
 RANGED = {"capture_ms": ("capture_low_ms", "capture_high_ms"),
           "steady_run_s": ("steady_low_s", "steady_high_s"),
           "decode_step_ms": ("decode_step_low_ms", "decode_step_high_ms")}
-
-
-def engine_limit(name: str, device: torch.device) -> str | None:
-    """Why ``name`` is not timed in the engine on ``device``, from its declaration in
-    ``labkit.attention.BACKENDS`` (None: time it). On a GPU that is a backend whose declaration
-    says it is compiled for fixed shapes: each engine step brings a new KV length, so Dynamo
-    recompiles until its limit and then runs unfused; the row says the limit is labkit's
-    wrapper, as declared, not FlexAttention's."""
-    b = BACKENDS[name]
-    fixed = getattr(b, "fixed_shapes", None)
-    if fixed is None:  # no field for it: read the declared compile settings in the notes
-        fixed = bool(re.search(r"fixed shapes|dynamic=False", b.notes))
-    if device.type == "cuda" and fixed:
-        return (f"not timed: labkit's {name} wrapper is compiled for fixed shapes and every "
-                f"engine step brings a new KV length, so it would time recompiles "
-                f"(declared: {b.notes or b.summary})")
-    return None
-
-
-def graph_limit(name: str) -> str | None:
-    """Whose limit it is that ``name`` cannot be captured in a CUDA Graph, and why, as its
-    declaration in ``labkit.attention.BACKENDS`` states it (None where it declares none)."""
-    limit = getattr(BACKENDS.get(name), "limits", {}).get("CUDA Graph capture")
-    return f"{limit.by}: {limit.why}" if limit is not None else None
-
-
-def slow_here(device: torch.device) -> dict[str, str]:
-    """Backends that would run here but slowly, with why: on CPU the interpreted or uncompiled
-    ones, on a GPU those :func:`engine_limit` rules out."""
-    if device.type != "cpu":
-        return {name: why for name in BACKENDS if (why := engine_limit(name, device))}
-    return {name: f"not run, to keep this run short: {why.split(';')[0]}"
-            for name, why in CPU_SLOW.items()}
-
-
-def peer_notes(names=None) -> pd.DataFrame:
-    """Each backend's own declaration: what it is, whether a graph can capture it, and its
-    limits, read from ``labkit.attention.BACKENDS`` so the table follows the code."""
-    rows = [{"backend": n, "summary": BACKENDS[n].summary,
-             "cuda_graphs": BACKENDS[n].cuda_graphs, "graph capture limit": graph_limit(n) or "",
-             "paged_reads": BACKENDS[n].paged_reads, "notes": BACKENDS[n].notes}
-            for n in (names or BACKENDS)]
-    return pd.DataFrame(rows)
 
 
 @dataclass(frozen=True)
@@ -201,39 +164,6 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
     del llm
     _release(dev)
     return row, log, [o.token_ids for o in run.outputs]
-
-
-@torch.inference_mode()
-def first_token_truth(model: LlamaModel, prompts: list[list[int]]) -> list[dict]:
-    """Per prompt: the first token of the plain forward with the weights in float32, its
-    logits, and ``tie``: how far two rounded forwards can disagree on a logit, twice the
-    largest logit error of the model's own dtype against float32 on this prompt (0 for a
-    float32 model). A backend whose first token is not the float32 argmax but whose float32
-    logit is within ``tie`` of it picked between a near-tie that rounding decides."""
-    exact = model if model.embed_tokens.dtype == torch.float32 else copy.deepcopy(model).float()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p], device=model.embed_tokens.device)
-        hi = exact(ids)[0, -1].float()
-        err = 0.0 if exact is model else float((model(ids)[0, -1].float() - hi).abs().max())
-        out.append({"token": int(hi.argmax()), "logits": hi.cpu(), "tie": 2 * err})
-    del exact
-    _release(model.embed_tokens.device)
-    return out
-
-
-def first_token_check(tokens: list[list[int]], truth: list[dict]) -> tuple[float, int]:
-    """(share of requests whose first token is the float32 argmax or a near-tie of it, how
-    many of them were near-ties)."""
-    ok = ties = 0
-    for toks, t in zip(tokens, truth):
-        if not toks:
-            continue
-        if toks[0] == t["token"]:
-            ok += 1
-        elif float(t["logits"][t["token"]] - t["logits"][toks[0]]) <= t["tie"]:
-            ok, ties = ok + 1, ties + 1
-    return ok / len(truth), ties
 
 
 @dataclass
