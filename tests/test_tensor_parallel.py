@@ -367,3 +367,19 @@ def test_nccl_timeline_shows_nccl_kernels_beside_the_matmuls():
         assert s[f"rank {rank}"]["collectives"] == 4, f"expected 4 NCCL all-reduce kernels: {s}"
         assert s[f"rank {rank}"]["comm_hidden_fraction"] > 0, (
             f"no NCCL kernel ran beside a matmul on rank {rank}: nothing overlapped: {s}")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_rounds_time_the_sequential_halves_inside_one_step_at_decode_size():
+    # 8 tokens: the decode-sized steps the recorder adds; every chunk is one NCCL message.
+    exp = mgo.TPExperiment(tokens=8, hidden=4096, ffn=8192, dtype="bfloat16",
+                           chunk_counts=(1, 2, 8), trace_chunks=4, warmup=3, repeats=10)
+    result = mgo.run_experiment(exp, world_size=2, backend="nccl")
+    assert result.ranks[0]["orders"] == result.ranks[1]["orders"]
+    for rank in result.ranks:
+        for k in (1, 2, 8):
+            for step, c, m in zip(*(rank["rounds"][f"{w} {k}"]
+                                    for w in ("sequential", "compute", "comm"))):
+                assert c > 0 and m > 0 and c + m == pytest.approx(step, rel=0.2), (k, step, c, m)
+    assert len(result.round_table) == 3 * exp.rounds

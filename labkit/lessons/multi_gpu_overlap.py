@@ -674,7 +674,7 @@ def decode_claims(prefill: list[TPResult], decode: list[TPResult], where: str,
               cut=cut, T=big.experiment.tokens, pk=pk, cut_prefill=cut_prefill, reread=reread,
               recorded=recorded),
         claim("At decode sizes {where} overlap cannot help: the best chunk count runs {gains} "
-              "as fast as the serial step, no range above 1 (step times are CUDA-event times "
+              "as fast as the serial step, no range wholly above 1 (step times are CUDA-event times "
               "of the compute stream{profiled}).",
               not any(g.above(1.0) for g in gains.values()), where=where,
               gains=", ".join(f"{g:.2fx} at {t} tokens" for t, g in gains.items()),
