@@ -130,8 +130,11 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
     except BackendUnavailable as e:
         why = "; ".join(e.reasons.get(backend, [])) or str(e).splitlines()[0]
         limit = graph_limit(backend) if mode == "graph" else None
-        return row | {"status": "refused",
-                      "reason": f"{why}; limit of {limit}" if limit else why}, [], None
+        if limit and "limit of" not in why:  # the declaration says whose limit, and why
+            why = f"{why}; limit of {limit}"
+        elif limit:
+            why = f"{why}: {limit.split(': ', 1)[1]}"
+        return row | {"status": "refused", "reason": why}, [], None
     synchronize(dev)
     row["build_s"] = time.perf_counter() - t0
     graphs = llm.runner.graphs
