@@ -1,5 +1,7 @@
 """Notebook 07's claims: each holds on the committed H200 recording (or a synthetic run that
 stands for it) and fails when the numbers behind it are perturbed."""
+import dataclasses
+
 import pandas as pd
 import pytest
 
@@ -179,3 +181,13 @@ def test_an_async_recording_times_steps_between_token_reads_and_a_sync_one_by_du
 def test_missing_names_the_fields_a_recording_lacks(rec):
     assert pc.missing(rec.data, ["points.ms", "points.nothing", "engine.by_batch"]) == [
         "points.nothing"]
+
+
+def test_where_the_arithmetic_sets_the_pace_chunking_keeps_the_long_prompts_ttft(rec):
+    on, off = (cp.Interference.from_dict(d) for d in rec.data["engine"]["interference"])
+    same = dataclasses.replace(on, long_ttft_ms=off.long_ttft_ms * 0.95)
+    assert held(pc.interference_claims(same, off, host_bound=False))[1] is True
+    assert held(pc.interference_claims(same, off, host_bound=True))[1] is False, (
+        "host-bound chunks must make the long prompt wait longer")
+    assert held(pc.interference_claims(on, off, host_bound=False))[1] is False, (
+        "a recorded GPU chunking cost is not 'the same work'")
