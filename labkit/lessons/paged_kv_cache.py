@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from labkit.kvcache.block_manager import BlockManager, OutOfBlocks
 from labkit.teaching import claim
+from labkit.teaching.truth import headless
 
 
 # ---------------------------------------------------------------- contiguous vs paged
@@ -206,11 +207,13 @@ def block_map_widget(step: int = 0):
 
     def redraw(change=None):
         with output:
-            if change is not None:  # a move in a live lab; never under papermill, where
-                output.clear_output(wait=True)  # clearing a captured output can hang nbclient
+            output.clear_output(wait=True)
             display(show_block_map(slider.value))
 
     slider.observe(redraw, names="value")
+    if headless():  # nbclient can hang on an Output widget capturing during execution
+        display(show_block_map(slider.value))
+        return widgets.VBox([slider, output])
     redraw()
     return widgets.VBox([slider, output])
 

@@ -29,6 +29,12 @@ HELD, FAILED = "held", "did not hold"
 LOG_ENV = "LABKIT_CLAIMS_LOG"
 
 
+def headless() -> bool:
+    """Whether this kernel runs under a headless executor (papermill, from
+    labkit.tools.run_notebooks) rather than in front of a learner."""
+    return bool(os.environ.get(LOG_ENV))
+
+
 @dataclass
 class Claim:
     text: str                        # the sentence with its values filled in
