@@ -92,6 +92,12 @@ def _caller(fn: Callable, x: torch.Tensor, graphed: bool) -> Callable[[], torch.
     return lambda: fn(x)
 
 
+# Samples per case per round. A host-bound call takes a few hundred microseconds, so a round's
+# median of this many moves only when the host stalls for longer than half of them together
+# (tens of milliseconds): one short stall of the host cannot flip a round's order.
+REPEATS = 200
+
+
 @dataclass
 class Steady:
     """Steady state per case: wall time per call over interleaved rounds, and one profiled call."""
@@ -137,7 +143,7 @@ def _first_calls(model, x, fns) -> tuple[dict, dict, list[str]]:
 
 
 def steady_state(model: torch.nn.Module, x: torch.Tensor, modes: Sequence[str] = ("default",),
-                 rounds: int = 5, repeats: int = 20, profile: bool | None = None) -> Steady:
+                 rounds: int = 5, repeats: int = REPEATS, profile: bool | None = None) -> Steady:
     """Eager and each compile mode, compiled first, then timed in interleaved rounds; with
     ``profile`` (default: on a GPU) one profiled call per case gives its GPU kernel time."""
     torch._dynamo.reset()
@@ -150,7 +156,7 @@ def steady_state(model: torch.nn.Module, x: torch.Tensor, modes: Sequence[str] =
     return Steady(timed, gpu, first, err, log)
 
 
-def dynamic_cost(model: torch.nn.Module, x: torch.Tensor, rounds: int = 5, repeats: int = 20,
+def dynamic_cost(model: torch.nn.Module, x: torch.Tensor, rounds: int = 5, repeats: int = REPEATS,
                  profile: bool | None = None) -> Steady:
     """The runtime price of ``dynamic=True`` under Inductor: the same block compiled for this
     shape and with symbolic sizes, timed on the same input in interleaved rounds."""

@@ -267,8 +267,8 @@ def record() -> dict:
     cfg, tokens = BlockConfig(dim=2048, hidden=8192), 8
     block = make_block(cfg, dev, torch.bfloat16)
     x = torch.randn(tokens, cfg.dim, device=dev, dtype=torch.bfloat16)
-    steady = modes.steady_state(block, x, modes.MODES, rounds=7, repeats=50)
-    dynamic = modes.dynamic_cost(block, x, rounds=7, repeats=50)
+    steady = modes.steady_state(block, x, modes.MODES, rounds=7)
+    dynamic = modes.dynamic_cost(block, x, rounds=7)
     starts = cold_start.cold_and_warm(modes.MODES, dim=cfg.dim, hidden=cfg.hidden, tokens=tokens,
                                       device="cuda", dtype="bfloat16", rounds=3)
     stage = inductor_code(block, x)
