@@ -315,15 +315,24 @@ def registry_claims(registry: pd.DataFrame | None, data: dict, *, where: str = "
             "{workload}, `{backend}` through the registry{where}: {wall:.0f} us wall (median, "
             "range over rounds), of which the GPU ran {k} kernel(s) for {gpu:.0f} us; the "
             "benchmark's bare `{peer}` takes {bare:.0f} us. Host time (GPU idle) is {host:.0f} "
-            "us, the wrapper's extra GPU work {extra:.0f} us.",
+            "us; the wrapper's extra GPU work {extra}.",
             gpu <= 1.1 * wall.high and gpu >= 0.8 * bare.median, workload=workload,
             backend=backend, where=where, wall=wall.median,
             k=int(r.kernels) if pd.notna(r.kernels) else "?", gpu=gpu,
             peer=peer, bare=bare.median, host=max(0.0, wall.median - gpu),
-            extra=gpu - bare.median, recorded=recorded))
+            extra=_extra_gpu(gpu - bare.median), recorded=recorded))
     if not made:
         return _missing("registry rows that the benchmark also measured")
     return made
+
+
+def _extra_gpu(us: float) -> str:
+    """The registry's kernel time above the bare kernel's: two separate measurements, so a
+    difference below zero says there is none, not that the wrapper saved time."""
+    if us < 0:
+        return (f"none measurable (the registry's kernels took {-us:.0f} us less than the bare "
+                "kernel timed in the benchmark: the two measurements' noise)")
+    return f"{us:.0f} us"
 
 
 def registry_limits(registry: pd.DataFrame | None, data: dict) -> pd.DataFrame:
