@@ -26,6 +26,8 @@ def test_notebook_runs_and_shows_what_it_promises(path):
     assert run.figures >= run.expected_figures, (
         f"{path.name} drew {run.figures} plotly figures, its metadata promises "
         f"{run.expected_figures}")
+    assert len(run.claims) >= 5 and run.claims_failed == 0, (
+        f"{path.name}: {len(run.claims)} claims, {run.claims_failed} did not hold")
     assert run.time_budget_s, f"{path.name} has no labkit.time_budget_s in its metadata"
     assert run.seconds <= run.time_budget_s, (
         f"{path.name} took {run.seconds:.0f} s with QUICK=True, over its {run.time_budget_s} s budget")
