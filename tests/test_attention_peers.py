@@ -20,23 +20,22 @@ from labkit.attention import (
     AttentionSpec,
     flash_attention_ref,
     paged_attention_ref,
+    peers,
     select_backend,
 )
-from labkit.attention import backends as registry
-from labkit.attention.backends import (
-    LIMITED_BY,
-    Limit,
-    PaddedBatch,
-    flex_block_mask,
-    sdpa_call,
-    sees_a_key,
-    visibility,
-)
+from labkit.attention.backends import LIMITED_BY, Limit
 from labkit.attention.matrix import (
     CHECKS,
     compatibility_matrix,
     limits_table,
     unexplained_cells,
+)
+from labkit.attention.peers import (
+    PaddedBatch,
+    flex_block_mask,
+    sdpa_call,
+    sees_a_key,
+    visibility,
 )
 
 PEERS = ("sdpa", "flex")
@@ -259,7 +258,7 @@ class MaskBuilds:
             self.count += 1
             return real(*a, **kw)
         monkeypatch.setattr(fa, "create_block_mask", build)
-        monkeypatch.setattr(registry, "_block_masks", type(registry._block_masks)())
+        monkeypatch.setattr(peers, "_block_masks", type(peers._block_masks)())
 
 
 def test_flex_builds_one_block_mask_per_batch_shape(monkeypatch):
@@ -287,18 +286,18 @@ def test_a_cached_block_mask_does_not_read_the_callers_buffers(monkeypatch):
 def test_flex_mask_cache_is_bounded(monkeypatch):
     builds = MaskBuilds(monkeypatch)
     lq = torch.tensor([1], dtype=torch.int32)
-    for n in range(1, registry.FLEX_MASK_CACHE + 6):
+    for n in range(1, peers.FLEX_MASK_CACHE + 6):
         flex_block_mask(PaddedBatch((1,), (n,), True, None), lq, torch.tensor([n]))
-    assert len(registry._block_masks) == registry.FLEX_MASK_CACHE
+    assert len(peers._block_masks) == peers.FLEX_MASK_CACHE
     flex_block_mask(PaddedBatch((1,), (1,), True, None), lq, torch.tensor([1]))
-    assert builds.count == registry.FLEX_MASK_CACHE + 6, "the oldest was evicted, rebuilt"
+    assert builds.count == peers.FLEX_MASK_CACHE + 6, "the oldest was evicted, rebuilt"
 
 
 def test_flex_is_compiled_with_dynamic_shapes_on_a_gpu(monkeypatch):
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(kw) or fn)
-    monkeypatch.setattr(registry, "_compiled_flex", {})
-    registry.flex_attention_for(torch.device("cuda"))
+    monkeypatch.setattr(peers, "_compiled_flex", {})
+    peers.flex_attention_for(torch.device("cuda"))
     assert seen.get("dynamic") is True, "new lengths must not recompile until Dynamo's limit"
 
 
@@ -379,7 +378,7 @@ def test_decode_with_padding_runs_on_the_memory_efficient_kernel():
 @pytest.mark.gpu
 def test_flex_does_not_recompile_as_an_engine_step_grows():
     torch._dynamo.reset()
-    registry._compiled_flex.clear()
+    peers._compiled_flex.clear()
     frames = torch._dynamo.utils.counters["stats"]
     before = frames["unique_graphs"]
     lens = [40, 300, 129, 7]
