@@ -91,7 +91,9 @@ def test_notebook_01s_timeline_claims_fail_with_the_timelines_swapped(fresh_clai
 
 def test_notebook_01s_chain_length_claim_fails_when_the_cost_is_not_per_kernel(fresh_claims):
     assert lo.chain_length_claim(2.0, 2.2, 64, 4, 16).held
+    assert lo.chain_length_claim(9.1, 13.0, 100, 4, 256).held, "the H200's 1.43x: still per kernel"
     assert not lo.chain_length_claim(2.0, 8.0, 64, 4, 16).held, "4x per kernel: not a flat cost"
+    assert not lo.chain_length_claim(2.0, 0.5, 64, 4, 16).held, "a cost per chain, not per kernel"
 
 
 def test_cpu_sweep_measures_every_size_in_both_modes():
