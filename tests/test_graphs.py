@@ -64,10 +64,10 @@ def test_repeated_buckets_are_one_bucket():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(warmup=-1), ValueError, "warmup must be an int >= 0, got -1"),
-    (dict(warmup=1.5), TypeError, "warmup must be an int >= 0, got float"),
-    (dict(pad_value="x"), TypeError, "pad_value must be a number"),
-    (dict(fn=None), TypeError, "fn must be the function to capture")])
+    ({"warmup": -1}, ValueError, "warmup must be an int >= 0, got -1"),
+    ({"warmup": 1.5}, TypeError, "warmup must be an int >= 0, got float"),
+    ({"pad_value": "x"}, TypeError, "pad_value must be a number"),
+    ({"fn": None}, TypeError, "fn must be the function to capture")])
 def test_pool_options_are_checked_when_the_pool_is_made(kwargs, error, match):
     kwargs = {"fn": rowwise, **kwargs}
     with pytest.raises(error, match=match):
@@ -185,7 +185,7 @@ def test_context_keys_freeze_each_kernel_choice_into_its_own_graph():
 @gpu
 def test_buckets_are_captured_largest_first_into_one_pool_and_memory_is_predicted():
     w = torch.randn(256, 256, device="cuda")
-    fn = lambda x: torch.relu(x @ w) @ w  # noqa: E731
+    fn = lambda x: torch.relu(x @ w) @ w
     pool = GraphPool(fn, buckets=(1, 8, 64, 256))
     x = torch.randn(4, 256, device="cuda")
     predicted = pool.predict_memory(x)
