@@ -77,8 +77,43 @@ def test_the_pin_first_claim_fails_where_fresh_pinning_wins_at_the_largest_size(
     assert not transfer.sweep_claims(sweep(cheap))[2].held
 
 
+def recorded_frame(rec, part, drop=()):
+    """A copy of a recorded table, less the columns ``drop`` names (``_rounds``: every per-round
+    column), as an older recording would hold it."""
+    df = pd.DataFrame(rec.data[part])
+    gone = [c for c in df.columns if c in drop or ("_rounds" in drop and c.endswith("_rounds"))]
+    return df.drop(columns=gone)
+
+
+def test_the_sweep_claims_hold_on_the_recording_and_fail_with_its_rounds_swapped(rec):
+    df = recorded_frame(rec, "h2d_sweep")
+    assert all(held(transfer.sweep_claims(df, recorded=rec)))
+    swapped = df.assign(pageable_rounds=df.pinned_rounds, pinned_rounds=df.pageable_rounds,
+                        pageable_call_rounds=df.pinned_call_rounds,
+                        pinned_call_rounds=df.pageable_call_rounds)
+    assert held(transfer.sweep_claims(swapped, recorded=rec)) == [False, False, True, False]
+
+
+def test_the_recorded_speedup_fails_when_one_round_of_pinned_is_not_faster(rec):
+    df = recorded_frame(rec, "h2d_sweep")
+    big = df.bytes.idxmax()
+    slow = [list(r) for r in df.pinned_rounds]
+    slow[big][0] = 1.05 * df.pageable_rounds[big][0]      # the median still 8x apart
+    assert not transfer.sweep_claims(df.assign(pinned_rounds=slow), recorded=rec)[0].held
+
+
+def test_the_recorded_pin_first_claim_fails_where_fresh_pinning_wins_at_the_largest_size(rec):
+    df = recorded_frame(rec, "h2d_sweep")
+    big = df.bytes.idxmax()
+    cheap = [list(r) for r in df.pin_fresh_then_copy_rounds]
+    cheap[big] = [1.5 * v for v in df.pinned_rounds[big]]
+    made = transfer.sweep_claims(df.assign(pin_fresh_then_copy_rounds=cheap), recorded=rec)
+    assert held(made) == [True, True, False, True]
+
+
 def test_the_sweep_claims_are_not_made_from_a_sweep_without_rounds(rec, capsys):
-    assert transfer.sweep_claims(pd.DataFrame(rec.data["h2d_sweep"]), recorded=rec) == []
+    medians_only = recorded_frame(rec, "h2d_sweep", drop=("_rounds",))
+    assert transfer.sweep_claims(medians_only, recorded=rec) == []
     assert "pageable_rounds" in capsys.readouterr().out
 
 
@@ -95,7 +130,25 @@ def test_the_read_too_early_claims_fail_when_the_early_read_was_already_right(re
 
 def test_the_reuse_claims_hold_on_the_recording_and_fail_with_the_runs_swapped(rec):
     unsafe, safe = rec.data["reuse_unsafe"], rec.data["reuse_safe"]
-    assert all(held(transfer.reuse_claims(unsafe, safe, recorded=rec)))
+    made = transfer.reuse_claims(unsafe, safe, recorded=rec)
+    assert all(held(made)) and len(made) == 3
+    assert held(transfer.reuse_claims(safe, unsafe, recorded=rec)) == [False, False, False]
+
+
+def test_the_recorded_torn_copy_claim_fails_when_its_mix_does_not_explain_its_checksum(rec):
+    unsafe, safe = rec.data["reuse_unsafe"], rec.data["reuse_safe"]
+    (torn, *_) = transfer.torn_copies(unsafe)
+    arrived = list(unsafe["arrived"])
+    arrived[torn] = round(arrived[torn]) + 0.5
+    made = transfer.reuse_claims(dict(unsafe, arrived=arrived), safe, recorded=rec)
+    assert held(made) == [True, True, False]
+
+
+def test_the_reuse_runs_without_a_mix_make_no_torn_copy_claim(rec, capsys):
+    unsafe = {k: v for k, v in rec.data["reuse_unsafe"].items() if k != "mix"}
+    safe = {k: v for k, v in rec.data["reuse_safe"].items() if k != "mix"}
+    assert held(transfer.reuse_claims(unsafe, safe, recorded=rec)) == [True, True]
+    assert "mix" in capsys.readouterr().out
     assert held(transfer.reuse_claims(safe, unsafe, recorded=rec)) == [False, False]
 
 
@@ -185,6 +238,19 @@ def test_a_negative_efficiency_is_named_below_zero_from_its_range():
     assert "on both sides of zero" in one.text
 
 
+def test_the_prefetcher_claims_hold_on_the_recording_and_fail_with_the_modes_swapped(rec):
+    df = recorded_frame(rec, "prefetch_rounds")
+    assert held(transfer.prefetch_claims(df, on_gpu=True, recorded=rec)) == [True, True]
+    swapped = df.assign(mode=list(reversed(df["mode"])))
+    assert held(transfer.prefetch_claims(swapped, on_gpu=True, recorded=rec)) == [False, False]
+
+
+def test_the_prefetcher_claims_are_not_made_from_rounds_the_recording_lacks(rec, capsys):
+    medians_only = recorded_frame(rec, "prefetch_rounds", drop=("_rounds",))
+    assert transfer.prefetch_claims(medians_only, on_gpu=True, recorded=rec) == []
+    assert "overlap_efficiency_rounds" in capsys.readouterr().out
+
+
 def test_the_prefetcher_claim_holds_on_this_cpu_and_fails_if_copies_hid(quiet_overlap):
     df = transfer.prefetch_rounds(n_batches=3, rows=32, cols=32, device=CPU, rounds=3,
                                   repeats=2)
@@ -252,6 +318,37 @@ def test_the_step_claims_hold_on_this_cpu_and_fail_if_the_step_beat_prepare_plus
     assert not transfer.step_claims(df.assign(same_tokens=False))[0].held
 
 
+def test_the_step_claims_hold_on_the_recording_and_fail_with_the_modes_swapped(rec):
+    df = recorded_frame(rec, "steps")
+    made = transfer.step_claims(df, recorded=rec)
+    assert all(held(made)) and len(made) == 3
+    assert "bound by the host" in made[2].text
+    swapped = df.assign(mode=list(reversed(df["mode"])))
+    assert held(transfer.step_claims(swapped, recorded=rec)) == [True, False, False]
+
+
+def test_the_recorded_bound_claim_fails_when_each_step_took_longer_than_the_bound(rec):
+    df = recorded_frame(rec, "steps")
+    over = df.index[df["mode"] == "overlapped"][0]
+    rounds = [list(r) for r in df.step_ms_rounds]
+    rounds[over] = [v + 0.6 for v in rounds[over]]    # the gain still clears its target
+    made = transfer.step_claims(df.assign(step_ms_rounds=rounds), recorded=rec)
+    assert held(made) == [True, True, False]
+
+
+def test_the_recorded_gain_fails_when_one_round_misses_its_target(rec):
+    df = recorded_frame(rec, "steps")
+    serial = df.index[df["mode"] == "serial"][0]
+    over = df.index[df["mode"] == "overlapped"][0]
+    rounds = [list(r) for r in df.step_ms_rounds]
+    rounds[over][0] = rounds[serial][0] / 1.05          # the median gain still above 1.3x
+    assert not transfer.step_claims(df.assign(step_ms_rounds=rounds), recorded=rec)[1].held
+
+
 def test_the_recorded_steps_without_phases_make_only_the_tokens_claim(rec, capsys):
-    made = transfer.step_claims(pd.DataFrame(rec.data["steps"]), recorded=rec)
+    no_phases = recorded_frame(rec, "steps", drop=("_rounds", "gpu_busy_ms", "compute_stream_ms",
+                                                  "copy_stream_ms"))
+    made = transfer.step_claims(no_phases, recorded=rec)
     assert held(made) == [True] and "step_ms_rounds" in capsys.readouterr().out
+    assert held(transfer.step_claims(no_phases.assign(same_tokens=[True, False]),
+                                     recorded=rec)) == [False]
