@@ -36,12 +36,26 @@ def held(made):
 
 
 def swap(df, shape_a, shape_b, col="ms", mode=None):
-    """``df`` with ``col`` of two shapes exchanged (in ``mode`` only, if given)."""
+    """``df`` with ``col`` and its rounds' range (``col_low``/``col_high``) of two shapes
+    exchanged (in ``mode`` only, if given)."""
     out = df.copy()
     rows = out["mode"] == mode if mode else pd.Series(True, index=out.index)
     a, b = rows & (out["shape"] == shape_a), rows & (out["shape"] == shape_b)
-    va, vb = out.loc[a, col].values.copy(), out.loc[b, col].values.copy()
-    out.loc[a, col], out.loc[b, col] = vb, va
+    for c in (col, f"{col}_low", f"{col}_high"):
+        va, vb = out.loc[a, c].values.copy(), out.loc[b, c].values.copy()
+        out.loc[a, c], out.loc[b, c] = vb, va
+    return out
+
+
+def at(df, shape, mode):
+    return (df["shape"] == shape) & (df["mode"] == mode)
+
+
+def scaled(df, rows, factor, col="ms"):
+    """``df`` with ``col`` and its rounds' range multiplied by ``factor`` in ``rows``."""
+    out = df.copy()
+    for c in (col, f"{col}_low", f"{col}_high"):
+        out.loc[rows, c] *= factor
     return out
 
 
@@ -49,6 +63,10 @@ def test_roofline_claims_hold_on_the_recording_and_fail_when_prefill_stops_risin
     assert held(pc.roofline_claims(points, rec.data["peaks"], recorded=rec)) == [True] * 3
     flat = swap(points, "prefill S=256", "prefill S=1024", "tflops", "graph")
     assert held(pc.roofline_claims(flat, rec.data["peaks"], recorded=rec))[0] is False
+    overlap = points.copy()  # medians still rising, one round of S=1024 below S=256's best
+    s256, s1024 = at(points, "prefill S=256", "graph"), at(points, "prefill S=1024", "graph")
+    overlap.loc[s1024, "tflops_low"] = 0.99 * float(points.loc[s256, "tflops_high"].iloc[0])
+    assert held(pc.roofline_claims(overlap, rec.data["peaks"], recorded=rec))[0] is False
     low_ridge = dict(rec.data["peaks"], matmul_TFLOPs=rec.data["peaks"]["copy_GBps"] * 0.02)
     assert held(pc.roofline_claims(points, low_ridge, recorded=rec))[2] is False, (
         "a ridge of 20 FLOP/B puts the large decode batches right of it")
@@ -56,9 +74,12 @@ def test_roofline_claims_hold_on_the_recording_and_fail_when_prefill_stops_risin
 
 def test_batching_claim_fails_when_the_big_batch_costs_its_rows(rec, points):
     assert held(pc.batching_claim(points, recorded=rec)) == [True]
-    slow = points.copy()
-    slow.loc[slow["shape"] == "decode B=256 ctx 1024", "ms"] *= 200
+    slow = scaled(points, points["shape"] == "decode B=256 ctx 1024", 200)
     assert held(pc.batching_claim(slow, recorded=rec)) == [False]
+    one_round = points.copy()  # the median as recorded, its slowest round as dear as 256 rows
+    big, small = at(points, "decode B=256 ctx 1024", "graph"), at(points, DECODE, "graph")
+    one_round.loc[big, "ms_high"] = 256 * float(points.loc[small, "ms_low"].iloc[0])
+    assert held(pc.batching_claim(one_round, recorded=rec)) == [False]
 
 
 def test_graph_claims_fail_when_eager_and_replay_are_swapped(rec, points):
@@ -66,11 +87,16 @@ def test_graph_claims_fail_when_eager_and_replay_are_swapped(rec, points):
     swapped = points.copy()
     swapped["mode"] = swapped["mode"].map({"eager": "graph", "graph": "eager"})
     assert held(pc.graph_claims(swapped, recorded=rec))[0] is False
-    long = swapped[swapped["shape"] == "prefill S=4096"]
-    slow_eager = points.copy()
-    slow_eager.loc[(slow_eager["shape"] == "prefill S=4096")
-                   & (slow_eager["mode"] == "eager"), "ms"] = 2 * long.ms.max()
+    slow_eager = scaled(points, at(points, "prefill S=4096", "eager"), 2)
     assert held(pc.graph_claims(slow_eager, recorded=rec))[1] is False
+    one_slow = points.copy()  # median eager as recorded, its slowest round past the bound
+    graph_low = float(points.loc[at(points, "prefill S=4096", "graph"), "ms_low"].iloc[0])
+    one_slow.loc[at(points, "prefill S=4096", "eager"), "ms_high"] = 1.2 * graph_low
+    assert held(pc.graph_claims(one_slow, recorded=rec))[1] is False
+    one_fast = points.copy()  # one eager round of the small decode within 1.3x of the replay
+    graph_high = float(points.loc[at(points, DECODE, "graph"), "ms_high"].iloc[0])
+    one_fast.loc[at(points, DECODE, "eager"), "ms_low"] = 1.2 * graph_high
+    assert held(pc.graph_claims(one_fast, recorded=rec))[0] is False
 
 
 def _timed(points, floor):
@@ -134,19 +160,26 @@ def test_knee_claim_fails_when_the_long_context_reaches_the_ridge():
 def test_latency_claims_hold_on_the_recording_and_fail_when_cases_are_swapped(rec):
     eng = rec.data["engine"]
     by_batch, by_prompt = pd.DataFrame(eng["by_batch"]), pd.DataFrame(eng["by_prompt"])
-    assert held(pc.latency_claims(by_batch, by_prompt, recorded=rec)) == [True] * 3
+    assert held(pc.latency_claims(by_batch, by_prompt, recorded=rec)) == [True] * 4
     flipped = by_batch.assign(batch=by_batch.batch.values[::-1])
     assert held(pc.latency_claims(flipped, by_prompt, recorded=rec))[0] is False
     short = by_prompt.assign(prompt_len=by_prompt.prompt_len.values[::-1])
     assert held(pc.latency_claims(by_batch, short, recorded=rec))[1] is False
-    tpot = by_batch.copy()
-    tpot.loc[tpot.batch == 64, "tpot_ms"] = 100 * tpot.tpot_ms.min()
+    first, last = by_batch.batch == by_batch.batch.min(), by_batch.batch == by_batch.batch.max()
+    worst = by_batch.copy()  # one round of a lone request as slow as the big batch's best
+    worst.loc[first, "ttft_max_high_ms"] = 1.01 * float(by_batch.loc[last, "ttft_max_low_ms"].iloc[0])
+    assert held(pc.latency_claims(worst, by_prompt, recorded=rec))[0] is False
+    s0, s1 = (by_prompt.prompt_len == f(by_prompt.prompt_len) for f in (min, max))
+    mean = by_prompt.copy()  # one round of the longest prompts as fast as the shortest's worst
+    mean.loc[s1, "ttft_low_ms"] = 0.99 * float(by_prompt.loc[s0, "ttft_high_ms"].iloc[0])
+    assert held(pc.latency_claims(by_batch, mean, recorded=rec))[1] is False
+    tpot = by_batch.copy()  # median TPOT as recorded, one round at 64 costing all 64 rows
+    tpot.loc[last, "tpot_high_ms"] = 64 * float(by_batch.loc[first, "tpot_low_ms"].iloc[0])
     assert held(pc.latency_claims(tpot, by_prompt, recorded=rec))[2] is False
-    steps = by_prompt.assign(prefill_steps=[1, 1, 2, 4, 6], ttft_low_ms=by_prompt.ttft_ms,
-                             ttft_high_ms=by_prompt.ttft_ms)
-    assert held(pc.latency_claims(by_batch, steps, recorded=rec))[3] is True
-    fewer = steps.assign(prefill_steps=[1, 2, 1, 4, 6])
+    fewer = by_prompt.assign(prefill_steps=[1, 3, 1, 5, 7])
     assert held(pc.latency_claims(by_batch, fewer, recorded=rec))[3] is False
+    same = by_prompt.assign(prefill_steps=[1] * len(by_prompt))
+    assert held(pc.latency_claims(by_batch, same, recorded=rec))[3] is False
 
 
 def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_swapped(rec,
@@ -167,15 +200,26 @@ def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_sw
         "mixed steps faster than decode-only ones")
     assert held(pc.interference_claims(on, off, recorded=rec,
                                        gpu_prefill=("prefill S=4096", 20.0)))[3] is False
+    one_short = on.steps.duration_ms.copy()  # one mixed step within the GPU time: not host-bound
+    one_short[on.mixed.idxmax()] = 0.99 * gpu[1]
+    gpu_bound = dataclasses.replace(on, steps=on.steps.assign(duration_ms=one_short))
+    assert held(pc.interference_claims(gpu_bound, off, recorded=rec, gpu_prefill=gpu))[3] is False
 
 
-def test_an_async_recording_times_steps_between_token_reads_and_a_sync_one_by_duration(rec):
-    on = cp.Interference.from_dict(rec.data["engine"]["interference"][0])
-    assert on.async_scheduling, "recorded before the flag: the engine's CUDA default, async"
-    ends = on.steps.start_ms + on.steps.duration_ms
-    assert on.step_ms.iloc[5] == pytest.approx(ends.iloc[5] - ends.iloc[4])
-    sync = cp.Interference(on.chunked, on.budget, on.gaps, on.steps, on.long_ttft_ms, 0, False)
-    assert (sync.step_ms == on.steps.duration_ms).all()
+def test_an_async_run_times_steps_between_token_reads_and_a_sync_one_by_duration(rec):
+    recorded_run = cp.Interference.from_dict(rec.data["engine"]["interference"][0])
+    assert not recorded_run.async_scheduling, "the recorder turns async scheduling off"
+    assert (recorded_run.step_ms == recorded_run.steps.duration_ms).all()
+    # async: the next step is launched before this one's tokens are read, so the steps overlap
+    steps = pd.DataFrame({"start_ms": [0.0, 1.0, 2.5, 3.0], "duration_ms": [2.0, 2.0, 1.0, 4.0],
+                          "num_prefill_tokens": [0, 0, 0, 0], "num_decode_tokens": [4] * 4})
+    on = cp.Interference(True, 512, recorded_run.gaps, steps, 1.0, 0, async_scheduling=True)
+    assert on.step_ms.tolist() == pytest.approx([2.0, 1.0, 0.5, 3.5])
+    assert cp.Interference.from_dict({k: v for k, v in on.to_dict().items()
+                                      if k != "async_scheduling"}).async_scheduling, (
+        "a recording without the flag ran with the engine's default, async")
+    sync = dataclasses.replace(on, async_scheduling=False)
+    assert sync.step_ms.tolist() == steps.duration_ms.tolist()
 
 
 def test_missing_names_the_fields_a_recording_lacks(rec):

@@ -300,8 +300,8 @@ def interference_claims(on, off, *, device: str | None = None, recorded=None,
     running requests longer than the chunked steps' median gap (the ratio says by how much:
     little where the chunks are host-bound), chunking costs the long prompt TTFT,
     the mixed steps outlast the decode-only ones; with ``gpu_prefill`` (a replayed prefill's
-    name and GPU ms, at least the chunk's tokens) the mixed steps take more than twice it:
-    host-bound. ``host_bound``: whether the runs' steps are host-bound (a GPU's; by default,
+    name and GPU ms, at least the chunk's tokens: an upper bound on a chunk's GPU time) every
+    mixed step takes longer than it: the rest of the step is the host's. ``host_bound``: whether the runs' steps are host-bound (a GPU's; by default,
     where a GPU prefill or a GPU recording is given)."""
     where = _on(recorded, device)
     if host_bound is None:
@@ -327,11 +327,15 @@ def interference_claims(on, off, *, device: str | None = None, recorded=None,
     if gpu_prefill is not None:
         name, gpu_ms = gpu_prefill
         made.append(claim(
-            "A mixed step of at most {budget} tokens takes {m:.1f} ms{where}, {x:.1f}x the GPU "
-            "time of a replayed {name} ({g:.2f} ms): the eager chunks are host-bound, so "
-            "smaller chunks stretch the disturbance instead of removing it.",
-            bool(mixed.median() > 2 * gpu_ms), budget=on.budget, m=float(mixed.median()),
-            where=where, x=float(mixed.median() / gpu_ms), name=name, g=gpu_ms,
+            "A mixed step of at most {budget} tokens takes {m:.1f} ms{where} ({mlo:.1f}-{mhi:.1f} "
+            "over the {n} steps), {x:.2f}x the GPU time of a replayed {name} ({g:.2f} ms), a "
+            "prefill of at least as many tokens: every mixed step outlasts the GPU work it "
+            "holds, so at least {host:.0%} of it is the host issuing the eager ops, a cost a "
+            "smaller chunk does not shrink.",
+            bool(len(mixed) > 0 and mixed.min() > gpu_ms), budget=on.budget,
+            m=float(mixed.median()), mlo=float(mixed.min()), mhi=float(mixed.max()),
+            n=int(on.mixed.sum()), where=where, x=float(mixed.median() / gpu_ms), name=name,
+            g=gpu_ms, host=float(1 - gpu_ms / mixed.min()) if len(mixed) else 0.0,
             recorded=recorded))
     return made
 
