@@ -59,7 +59,9 @@ def _cases(seed: int, device) -> list[Case]:
     batches = [("one row", [1]), ("3 rows: padded up to bucket 4", [3]),
                ("exactly a bucket (4 rows)", [4]), ("the largest bucket (8 rows)", [8]),
                (f"{(n := rng.randrange(9, 20))} rows: larger than every bucket", [n]),
-               ("two calls: 6 rows, then 2", [6, 2])]
+               ("two calls: 6 rows, then 2", [6, 2]),
+               # one graph replayed twice: the second replay rewrites the first call's buffer
+               ("two calls in one bucket: 3 rows, then 4", [3, 4])]
     step = RowStep(width, g).to(device)
     return [Case(label, (step, [torch.randn(b, width, generator=g).to(device) for b in calls]))
             for label, calls in batches]
@@ -87,9 +89,31 @@ def _expected(case: Case) -> dict:
                 "bucket replayed": [_bucket(len(x)) for x in batches]}
 
 
+def _overwritten(outs, batches, expected) -> str | None:
+    """A call's result that, read after the later calls, holds a later call's rows: it is a view
+    of the graph's output buffer, which the later replay of the same bucket rewrote."""
+    for i, (out, x, want) in enumerate(zip(outs, batches, expected)):
+        if not isinstance(out, torch.Tensor) or out.shape != want.shape:
+            continue
+        for j in range(i + 1, len(outs)):
+            later = expected[j]
+            if (_bucket(len(batches[j])) == _bucket(len(x)) != "eager" and len(later) >= len(x)
+                    and not torch.allclose(out, want, atol=1e-4)
+                    and torch.allclose(out, later[:len(x)], atol=1e-4)):
+                b = _bucket(len(x))
+                return (f"Call {i + 1} ({len(x)} rows) was right when it returned, but by the "
+                        f"time it was read it held call {j + 1}'s rows: both replayed the "
+                        f"bucket-{b} graph, and the next replay overwrote pool.graphs[{b}].outputs, "
+                        "which your result is a view of. Return outputs[:batch].clone().")
+    return None
+
+
 def _diagnose(case: Case, got: dict, expected: dict) -> str | None:
     step, batches = case.args
-    for out, x, want in zip(got.get("output") or [], batches, expected["output"]):
+    outs = got.get("output") or []
+    if (overwritten := _overwritten(outs, batches, expected["output"])) is not None:
+        return overwritten
+    for out, x, want in zip(outs, batches, expected["output"]):
         if not isinstance(out, torch.Tensor):
             return "Return the output rows as a tensor."
         if out.dim() == 2 and len(out) > len(x):
@@ -128,7 +152,9 @@ EXERCISES = [Exercise(
         "all `bucket` rows of it: return `outputs[:len(x)].clone()`.",
     ),
     seen="Batches of 1, 4 and 8 rows replay their own graph; 3 rows replay the bucket-4 graph "
-         "with one padding row thrown away; a batch larger than every bucket runs eagerly. This "
+         "with one padding row thrown away; a batch larger than every bucket runs eagerly. Two "
+         "calls that land in the same bucket replay one graph into one output buffer, so the "
+         "first result survives the second call only as a clone. This "
          "is `GraphPool.__call__` in `labkit/graphs/pool.py`, and what vLLM and SGLang do for every "
          "decode step: pad to a captured size, replay, slice.",
 )]

@@ -1,0 +1,31 @@
+"""Exercise 02.1's check: two calls that replay the same bucket's graph catch a result that is
+a view of the graph's output buffer instead of a clone."""
+from labkit.teaching.check import check
+from labkit.teaching.exercises.cuda_graphs import _bucket, _cases
+
+
+def run_bucketed(pool, x, clone=True):
+    bucket = next((b for b in pool.buckets if b >= len(x)), None)
+    if bucket is None:
+        return pool.fn(x)
+    pool.static_input[:len(x)].copy_(x)
+    pool.static_input[len(x):bucket].zero_()
+    pool.graphs[bucket].replay()
+    out = pool.graphs[bucket].outputs[:len(x)]
+    return out.clone() if clone else out
+
+
+def test_some_case_replays_one_bucket_twice_back_to_back():
+    calls = [[len(x) for x in case.args[1]] for case in _cases(0, "cpu")]
+    assert any(len(c) > 1 and len({_bucket(n) for n in c}) == 1 for c in calls), calls
+
+
+def test_the_solution_with_clone_passes():   # the notebook's solution: test_exercises.py
+    assert check("02.1", run_bucketed, device="cpu").passed
+
+
+def test_a_solution_without_clone_fails_and_says_the_next_replay_overwrote_it():
+    result = check("02.1", lambda pool, x: run_bucketed(pool, x, clone=False), device="cpu")
+    assert not result.passed
+    assert "two calls in one bucket" in result.message, result.message
+    assert "next replay overwrote" in result.message and "clone()" in result.message, result.message
