@@ -93,3 +93,19 @@ def test_gpu_trace_links_every_eager_kernel_and_graph_replay_is_one_launch():
     assert graph.summary["kernel_count"] == 20
     assert graph.summary["launches"] == 1, "a graph replay is one launch for all its kernels"
     assert graph.summary["gpu_busy_fraction"] > eager.summary["gpu_busy_fraction"]
+
+
+def test_a_trace_keeps_stderr_free_of_the_profilers_notices_and_passes_real_messages():
+    """Kineto writes `USDT:... profiler_start` / `profiler_stop` to fd 2, which a notebook shows
+    as a red box under every timeline cell; a message the traced code writes to fd 2 is kept."""
+    import subprocess
+    import sys
+
+    script = ("import os, torch\n"
+              "from labkit.measure.profile import trace\n"
+              "x = torch.zeros(8)\n"
+              "trace(lambda: (x.mul_(2), os.write(2, b'real message\\n')), device='cpu', warmup=0)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert "USDT" not in out.stderr, out.stderr
+    assert out.stderr.count("real message") == 3, f"each of the 3 traced calls writes one:\n{out.stderr}"

@@ -7,8 +7,10 @@ compilation are the fix; a GPU lane that is busy end to end means launches are n
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +25,34 @@ from labkit.measure.events import EVENT_COLUMNS, parse_chrome_trace, summarize, 
 from labkit.measure.timeline import timeline_figure
 
 WINDOW = "labkit.trace"
+# Kineto announces every profiler start and stop on stderr, for USDT probes, at a severity above
+# ERROR: no log level hides these lines and keeps its errors, so they are filtered by prefix.
+PROFILER_NOTICE = b"USDT:"
+
+
+@contextlib.contextmanager
+def without_profiler_notices():
+    """Send the process's stderr (fd 2, where the profiler's C++ side writes) to a file for the
+    block, then write back every line but Kineto's ``USDT:`` start/stop notices, so a real
+    error still shows. A notebook kernel forwards fd 2 into red boxes under the cell."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = b"".join(line for line in held if not line.startswith(PROFILER_NOTICE))
+            while kept:
+                kept = kept[os.write(2, kept):]
 
 
 @dataclass
@@ -75,7 +105,7 @@ def trace(fn: Callable, *args, device: str | torch.device = "auto", warmup: int 
     # One profiled-but-discarded step first: the profiler's own start-up (CUPTI set-up on the
     # first launch, milliseconds) would otherwise look like the first kernel's launch cost.
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), without_profiler_notices():
         warnings.simplefilter("ignore", UserWarning)
         with profile(activities=activities, schedule=schedule) as prof:
             for step in range(2):
