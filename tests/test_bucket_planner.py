@@ -115,3 +115,82 @@ def test_padding_by_bucket_adds_up_to_the_total():
     table = padding_by_bucket(trace, (4, 8))
     assert list(table.steps) == [3, 3] and list(table.padded_rows) == [3 + 1 + 1, 3]
     assert table.padded_rows.sum() == padding_waste(trace, (4, 8)).padded_rows
+
+
+# ------------------------------------------------------------------------ measured step times
+def _brute_force_time(sizes, k, T, candidates):
+    """Least total time over every bucket set of at most k candidates covering max(sizes)."""
+    best = None
+    for r in range(1, k + 1):
+        for combo in itertools.combinations(candidates, r):
+            if combo[-1] < max(sizes):
+                continue
+            t = padding_waste(sizes, combo, step_time=T).time
+            best = t if best is None or t < best else best
+    return best
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 10), min_size=1, max_size=20), st.integers(1, 3),
+       st.lists(st.integers(0, 50), min_size=10, max_size=10))
+def test_the_time_plan_is_optimal_against_brute_force_for_any_step_time(sizes, k, times):
+    T = dict(zip(range(1, 11), map(float, times)))     # not monotone: any measured shape
+    plan = plan_buckets(sizes, k, step_time=T.__getitem__)
+    assert len(plan.buckets) <= k and plan.buckets[-1] >= max(sizes) and plan.eager_calls == 0
+    best = _brute_force_time(sizes, k, T.__getitem__, range(1, max(sizes) + 1))
+    assert plan.time == pytest.approx(best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=20), st.integers(1, 3),
+       st.dictionaries(st.integers(1, 16), st.integers(0, 50), min_size=1, max_size=6))
+def test_a_measured_table_is_interpolated_and_the_plan_stays_within_it(sizes, k, table):
+    table = {**table, 16: table.get(16, 60)}           # a measurement that covers every batch
+    lo = min(table)
+    plan = plan_buckets(sizes, k, step_time=table)
+    assert all(lo <= b <= 16 for b in plan.buckets)
+    best = _brute_force_time(sizes, k, table, range(max(lo, 1), 17))
+    assert plan.time == pytest.approx(best)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=25), st.integers(1, 4))
+def test_step_time_equal_to_the_bucket_plans_the_fewest_padded_rows(sizes, k):
+    assert (plan_buckets(sizes, k, step_time=float).padded_rows
+            == plan_buckets(sizes, k).padded_rows)
+
+
+def test_without_a_limit_the_time_plan_is_the_best_of_every_limit():
+    rng = random.Random(1)
+    trace = [rng.randint(1, 40) for _ in range(300)]
+    T = {1: 10.0, 8: 10.0, 16: 30.0, 40: 100.0}
+    free = plan_buckets(trace, step_time=T)
+    assert free.time == pytest.approx(min(plan_buckets(trace, k, step_time=T).time
+                                          for k in range(1, len(set(trace)) + 1)))
+
+
+def test_a_flat_step_time_needs_one_graph_and_a_steep_one_needs_more():
+    trace = [1, 2, 3, 5, 8, 13] * 10
+    assert plan_buckets(trace, 4, step_time=lambda b: 100.0).buckets == (13,)
+    assert len(plan_buckets(trace, 4, step_time=lambda b: b ** 2).buckets) == 4
+
+
+def test_the_interpolated_table_reads_between_measured_buckets():
+    plan = padding_waste([3, 6], (4, 6), step_time={2: 10.0, 6: 30.0})
+    assert plan.time == pytest.approx(20.0 + 30.0)
+
+
+@pytest.mark.parametrize("step_time, error, match", [
+    ({8: 1.0}, ValueError, "measure a step at a bucket >= 9"),
+    ({}, ValueError, "at least one measured bucket"),
+    ({9: float("nan")}, TypeError, "finite time"),
+    ({9: -1.0}, ValueError, ">= 0"),
+    ("fast", TypeError, "callable T")], ids=["too small", "empty", "nan", "negative", "str"])
+def test_a_step_time_must_cover_the_trace_with_finite_times(step_time, error, match):
+    with pytest.raises(error, match=match):
+        plan_buckets([1, 9], 2, step_time=step_time)
+
+
+def test_scoring_a_bucket_outside_the_measured_table_says_so():
+    with pytest.raises(ValueError, match="no time for bucket 1"):
+        padding_waste([1], (1,), step_time={2: 1.0, 4: 2.0})
