@@ -315,3 +315,22 @@ def test_padding_price_times_three_runs_in_every_round():
     p = gx.padding_price(stack, 12, 16, rounds=3, repeats=3)
     assert set(p["rounds"]) == {"eager", "exact", "padded"}
     assert all(len(v) == 3 for v in p["rounds"].values()) and p["gpu_us"]["padded"] > 0
+
+
+def _lognormal_trace():
+    torch.manual_seed(0)
+    return (torch.distributions.LogNormal(3.0, 0.9).sample((5000,)).clamp(1, 256).round().int()
+            .tolist())
+
+
+def test_the_time_planner_claims_hold_on_the_recording_and_fail_when_a_round_favours_others(rec):
+    times = gc.bucket_step_times(rec.data["step_rounds"])
+    assert set(times) == {1, 2, 4, 8, 16, 32, 64, 128, 256}     # the unpadded batches only
+    trace = _lognormal_trace()
+    assert all(c.held for c in gc.planner_time_claims(trace, times, recorded=rec))
+    # one round in which the powers of two's own sizes ran fast: the median plan loses there
+    cheap = {b: [500.0, *v[1:]] if b in (16, 32, 64, 128) else v for b, v in times.items()}
+    assert not gc.planner_time_claims(trace, cheap, recorded=rec)[0].held
+    # one round in which T grew with every row (T = bucket): the fewest-rows plan wins there
+    by_rows = {b: [float(b), *v[1:]] for b, v in times.items()}
+    assert not gc.planner_time_claims(trace, by_rows, recorded=rec)[1].held

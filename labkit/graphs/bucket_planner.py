@@ -18,8 +18,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from labkit.graphs.buckets import bucket_for, check_buckets, check_size
 

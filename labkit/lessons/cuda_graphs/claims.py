@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
+from labkit.graphs.bucket_planner import padding_waste, plan_buckets, powers_of_two
 from labkit.lessons.cuda_graphs.measurements import ratio, spread, step_table
 from labkit.measure.intervals import total, union
 from labkit.teaching import claim
@@ -288,3 +289,45 @@ def planner_claim(naive, planned, steps: int):
                  and len(planned.buckets) <= len(naive.buckets), steps=steps,
                  n=len(planned.buckets), planned=planned.waste, naive=naive.waste,
                  m=len(naive.buckets))
+
+
+def bucket_step_times(steps: dict) -> dict[int, list[float]]:
+    """From ``measurements.step_rounds``: per bucket, the replay time of each round at a batch
+    that fills the bucket exactly (no padding), T(bucket) for the planner."""
+    return {b: list(g) for b, k, g in zip(steps["batch"], steps["bucket"], steps["graph_us"])
+            if g is not None and b == k}
+
+
+def planner_time_claims(batch_trace: list, times: dict, *, recorded=None, device=None) -> list:
+    """The buckets planned for least total step time (T(bucket) = the median replay time of
+    ``times``, linear between measured buckets) against powers of two with as many graphs, and
+    against the buckets planned for fewest padded rows, each total recomputed with every
+    round's T: no round in which the time plan is slower."""
+    on = where(recorded, device)
+    naive = powers_of_two(max(batch_trace))
+    median = {b: spread(v).median for b, v in times.items()}
+    planned = plan_buckets(batch_trace, len(naive), step_time=median)
+    by_rows = plan_buckets(batch_trace, len(naive))
+    rounds = min(len(v) for v in times.values())
+
+    def totals(buckets) -> list[float]:  # the trace's total step time, in ms, round by round
+        return [padding_waste(batch_trace, buckets, {b: v[r] for b, v in times.items()}).time
+                / 1e3 for r in range(rounds)]
+
+    mine, pow2, rows = totals(planned.buckets), totals(naive), totals(by_rows.buckets)
+    vs_pow2, vs_rows = ratio(pow2, mine), ratio(rows, mine)
+    common = {"on": on, "steps": len(batch_trace), "n": len(planned.buckets),
+              "planned": list(planned.buckets), "mine": spread(mine), "recorded": recorded}
+    return [
+        claim("With T(bucket) the replay time measured{on} at the {m} bucket sizes (linear "
+              "between them), the {n} buckets planned for least time, {planned}, take {mine:.1f} "
+              "ms summed over the {steps:,} steps of the simulated trace, against {pow2:.1f} ms "
+              "for the {k} powers of two: powers of two / planned {gain:.3fx}, no round below 1.",
+              vs_pow2.low >= 1 and len(planned.buckets) <= len(naive), m=len(times),
+              pow2=spread(pow2), k=len(naive), gain=vs_pow2, **common),
+        claim("The {n_rows} buckets planned for fewest padded rows, {rows_b}, pad {rows_w:.1%} of "
+              "computed rows against {mine_w:.1%} for the time plan, yet take {rows:.1f} ms "
+              "against its {mine:.1f} ms{on}: rows plan / time plan {gain:.3fx}, no round below "
+              "1. Padding costs time only where T grows with the bucket.",
+              vs_rows.low >= 1, n_rows=len(by_rows.buckets), rows_b=list(by_rows.buckets), rows_w=by_rows.waste,
+              mine_w=planned.waste, rows=spread(rows), gain=vs_rows, **common)]
