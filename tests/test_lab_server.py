@@ -1,5 +1,6 @@
 """`make lab` serves the notebooks on 127.0.0.1 only, and only to whoever holds the token."""
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -29,10 +30,29 @@ def test_the_server_binds_to_localhost_and_keeps_a_token():
         lab_server.command(token="")
 
 
+def test_the_lab_starts_without_news_or_update_pop_ups(tmp_path):
+    cmd = lab_server.command()
+    assert "--LabApp.news_url=None" in cmd, "the server fetches no news feed"
+    env = lab_server.lab_environment({"JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+                                      "JUPYTER_CONFIG_PATH": "/elsewhere"})
+    first, *rest = env["JUPYTER_CONFIG_PATH"].split(os.pathsep)
+    assert rest == ["/elsewhere"], "a config path already set is kept, below labkit's"
+    defaults = json.loads((Path(first) / "labconfig/default_setting_overrides.json").read_text())
+    assert defaults["@jupyterlab/apputils-extension:notification"] == \
+        {"fetchNews": "false", "checkForUpdates": False}
+
+
 def test_lab_serves_the_notebooks_to_the_token_holder_only():
     with lab_server.running_lab() as lab:
         with urllib.request.urlopen(lab.url("api/contents"), timeout=10) as r:
             names = {item["name"] for item in json.load(r)["content"]}
+        plugin = "@jupyterlab/apputils-extension:notification"
+        with urllib.request.urlopen(lab.url(f"lab/api/settings/{plugin}"), timeout=10) as r:
+            answer = json.load(r)  # the composite is the schema's defaults under the user's
+        notification = {k: v.get("default") for k, v in answer["schema"]["properties"].items()}
+        notification.update(answer["settings"])
+        assert notification["fetchNews"] == "false" and notification["checkForUpdates"] is False, \
+            f"JupyterLab would ask about news or announce releases: {notification}"
         assert "00_tour.ipynb" in names, f"the lab's root is notebooks/: saw {sorted(names)}"
         assert lab_server.http_status(f"{lab.base_url}/api/contents") == 403, \
             "without the token the server refuses"
@@ -42,7 +62,7 @@ def test_lab_serves_the_notebooks_to_the_token_holder_only():
 
 def test_lab_server_help_prints_usage_and_starts_nothing():
     out = subprocess.run([sys.executable, "-m", "labkit.tools.lab_server", "--help"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0 and "usage:" in out.stdout and "--port" in out.stdout
 
 

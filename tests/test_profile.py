@@ -79,7 +79,8 @@ def test_trace_survives_a_round_trip_through_json(tmp_path):
     pd.testing.assert_frame_equal(back.events.reset_index(drop=True),
                                   t.events.round(3).reset_index(drop=True), check_dtype=False)
     path = t.export_chrome(tmp_path / "t.json")
-    assert json.loads(open(path).read())["traceEvents"]
+    with open(path) as f:
+        assert json.load(f)["traceEvents"]
 
 
 @pytest.mark.gpu

@@ -3,6 +3,8 @@ nesting depth, correlation id), each GPU activity joined to the launch that star
 few numbers that say whether launch overhead matters."""
 from __future__ import annotations
 
+import itertools
+
 import pandas as pd
 
 from labkit.measure.intervals import total, union
@@ -87,12 +89,12 @@ def summarize(events: pd.DataFrame) -> dict:
     if events.empty:
         return {"events": 0}
     span = float((events.start_us + events.dur_us).max() - events.start_us.min())
-    out: dict = {"events": int(len(events)), "window_us": span}
+    out: dict = {"events": len(events), "window_us": span}
     gpu = events[events.lane.str.startswith("GPU")]
     if len(gpu):
         busy = union(gpu.start_us, gpu.start_us + gpu.dur_us)
         gpu_span = busy[-1][1] - busy[0][0]
-        gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+        gaps = [b[0] - a[1] for a, b in itertools.pairwise(busy)]
         links = launch_links(events)
         launch_starts = links.start_us_cpu.sort_values()
         out.update({
@@ -104,7 +106,7 @@ def summarize(events: pd.DataFrame) -> dict:
             "idle_total_us": sum(gaps),
             "largest_gap_us": max(gaps, default=0.0),
             "mean_kernel_us": float(gpu[gpu.kind == "kernel"].dur_us.mean()),
-            "launches": int(len(links)),
+            "launches": len(links),
             "mean_launch_to_start_us": float((links.start_us_gpu - links.start_us_cpu).mean())
             if len(links) else None,
             "launch_api_us": float(links.dur_us_cpu.mean()) if len(links) else None,
@@ -116,7 +118,7 @@ def summarize(events: pd.DataFrame) -> dict:
         ends = top.start_us + top.dur_us
         gaps = (top.start_us.iloc[1:].values - ends.iloc[:-1].values) if len(top) > 1 else []
         out.update({
-            "top_level_ops": int(len(top)),
+            "top_level_ops": len(top),
             "mean_op_us": float(top.dur_us.mean()) if len(top) else None,
             "mean_gap_between_ops_us": float(pd.Series(gaps).mean()) if len(gaps) else None,
             "cpu_busy_fraction": float(top.dur_us.sum() / span) if span else None,

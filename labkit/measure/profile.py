@@ -13,8 +13,8 @@ import os
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -63,7 +63,9 @@ class Trace:
     chrome_trace: dict | None = field(default=None, repr=False)
 
     def summary_table(self) -> pd.DataFrame:
-        return pd.DataFrame({"value": pd.Series(self.summary)})
+        """One row per summary figure; a count prints as 150, a time or fraction to 3 decimals."""
+        values = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.summary.items()}
+        return pd.DataFrame({"value": pd.Series(values, dtype=object)})
 
     def figure(self, title: str = "", max_events: int = 2500):
         return timeline_figure(self.events, title=title, max_events=max_events)
@@ -82,7 +84,7 @@ class Trace:
                 "fingerprint": self.fingerprint}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Trace":
+    def from_dict(cls, d: dict) -> Trace:
         return cls(events=pd.DataFrame(d["events"], columns=EVENT_COLUMNS), summary=d["summary"],
                    fingerprint=d.get("fingerprint", {}))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -23,6 +24,14 @@ from pathlib import Path
 
 from labkit.tools import NOTEBOOK_DIR
 
+# Out of the box JupyterLab asks on its first page whether to fetch Jupyter's news, and later
+# announces new releases: pop-ups over the notebook that the lab is not about. These are
+# defaults, layered below the learner's own settings, so a learner who wants news can opt in.
+SETTING_DEFAULTS = {
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false",
+                                                    "checkForUpdates": False},
+}
+
 
 def command(root_dir: Path = NOTEBOOK_DIR, port: int | None = None,
             token: str | None = None, expose_app: bool = False) -> list[str]:
@@ -35,11 +44,33 @@ def command(root_dir: Path = NOTEBOOK_DIR, port: int | None = None,
         if not token:
             raise ValueError("an empty token would let anyone on this machine run code: refused")
         cmd.append(f"--IdentityProvider.token={token}")
+    cmd.append("--LabApp.news_url=None")  # the server fetches no news feed either
     if expose_app:  # lets a browser test drive JupyterLab's command registry
         cmd.append("--LabApp.expose_app_in_browser=True")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")  # containers and CI run as root; Jupyter refuses without this
     return cmd
+
+
+def lab_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with a Jupyter config folder holding ``SETTING_DEFAULTS``
+    put on JUPYTER_CONFIG_PATH, where JupyterLab reads ``labconfig/default_setting_overrides.json``.
+
+    The folder sits in the runtime folder ``env`` names (else Jupyter's own runtime folder) and
+    is rewritten on every start.
+    """
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    env = dict(os.environ if env is None else env)
+    runtime = Path(env.get("JUPYTER_RUNTIME_DIR") or jupyter_runtime_dir())
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)  # Jupyter keeps its own this private
+    folder = runtime / "labkit-config"
+    (folder / "labconfig").mkdir(parents=True, exist_ok=True)
+    (folder / "labconfig" / "default_setting_overrides.json").write_text(
+        json.dumps(SETTING_DEFAULTS, indent=1))
+    env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
+        p for p in (str(folder), env.get("JUPYTER_CONFIG_PATH")) if p)
+    return env
 
 
 def free_port() -> int:
@@ -82,22 +113,22 @@ def running_lab(root_dir: Path = NOTEBOOK_DIR, start_timeout_s: float = 90, expo
                    JUPYTERLAB_SETTINGS_DIR=f"{state}/settings",
                    JUPYTERLAB_WORKSPACES_DIR=f"{state}/workspaces", IPYTHONDIR=f"{state}/ipython")
         # Kernels are found through sys.prefix too, so the venv's python3 kernel stays visible.
-        settings = {"apputils-extension/notification": '{"fetchNews": "false", "checkForUpdates": false}'}
         if not windowed:  # render every cell, so a test can see every output
-            settings["notebook-extension/tracker"] = '{"windowingMode": "none"}'
-        for name, text in settings.items():
-            path = Path(f"{state}/settings/@jupyterlab/{name}.jupyterlab-settings")
+            path = Path(f"{state}/settings/@jupyterlab/notebook-extension/tracker.jupyterlab-settings")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        proc = subprocess.Popen(command(root_dir, port, token, expose_app), env=env,
-                                stdout=subprocess.DEVNULL, stderr=open(f"{state}/server.log", "w"),
-                                start_new_session=True)
+            path.write_text('{"windowingMode": "none"}')
+        env = lab_environment(env)
+        log = Path(f"{state}/server.log")
+        with log.open("w") as log_file:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(command(root_dir, port, token, expose_app), env=env,
+                                    stdout=subprocess.DEVNULL, stderr=log_file,
+                                    start_new_session=True)
         lab = RunningLab(f"http://127.0.0.1:{port}", token, proc, Path(root_dir))
         try:
             deadline = time.time() + start_timeout_s
             while http_status(lab.url("api/status")) != 200:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"jupyter lab exited at start:\n{open(f'{state}/server.log').read()[-3000:]}")
+                    raise RuntimeError(f"jupyter lab exited at start:\n{log.read_text()[-3000:]}")
                 if time.time() > deadline:
                     raise TimeoutError(f"jupyter lab did not answer within {start_timeout_s} s")
                 time.sleep(0.3)
@@ -126,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.port is not None and not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     cmd = command(args.root_dir, args.port)
+    env = lab_environment()
     sys.stdout.flush()
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, env)
     return 0  # not reached: exec does not return
 
 
