@@ -4,6 +4,7 @@ Guards and graph breaks belong to Dynamo, so most tests compile with ``backend="
 code generation) to stay fast; one test runs Inductor for real.
 """
 import json
+import logging
 
 import pytest
 import torch
@@ -55,6 +56,21 @@ def test_broken_version_is_refused_under_fullgraph():
     compiled = torch.compile(gb.branch_on_value, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="(?i)data.dependent|generic_jump|Unsupported"):
         compiled(torch.randn(4, 4))
+
+
+
+def test_explain_drops_only_the_graph_break_warnings_and_keeps_the_recompile_limit_one(caplog):
+    tensor_log = logging.getLogger("torch._dynamo.variables.tensor")
+    frame_log = logging.getLogger("torch._dynamo.convert_frame")
+    level = logging.getLogger("torch._dynamo").level
+    with gb.break_warnings_dropped():
+        tensor_log.warning("Graph break from `Tensor.item()`, consider setting: ...")
+        frame_log.warning("torch._dynamo hit config.recompile_limit (8)")
+    assert "recompile_limit" in caplog.text and "Graph break" not in caplog.text
+    gb.explain(gb.scale_by_item, torch.randn(4, 4))
+    assert logging.getLogger("torch._dynamo").level == level, "explain leaves Dynamo's level"
+    tensor_log.warning("Graph break outside explain")
+    assert "Graph break outside explain" in caplog.text, "the filter is removed afterwards"
 
 
 # --- guards and recompiles ------------------------------------------------------------------

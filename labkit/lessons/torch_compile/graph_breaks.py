@@ -110,17 +110,34 @@ def _first_line(reason: str) -> str:
     return line[:160]
 
 
+class _DropBreakWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().lstrip().startswith("Graph break")
+
+
+@contextlib.contextmanager
+def break_warnings_dropped():
+    """Drop Dynamo's "Graph break ..." warnings (explain's table lists the same breaks); every
+    other warning, the recompile-limit one included, still reaches its handlers."""
+    drop, handlers = _DropBreakWarnings(), []
+    logger = logging.getLogger("torch._dynamo")
+    while logger is not None:
+        handlers += logger.handlers
+        logger = logger.parent if logger.propagate else None
+    for h in handlers:
+        h.addFilter(drop)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(drop)
+
+
 def explain(fn: Callable, *args) -> dict:
     """Graph count, break count and one line per break reason, from ``torch._dynamo.explain``."""
     torch._dynamo.reset()
-    dynamo_log = logging.getLogger("torch._dynamo")
-    level = dynamo_log.level
-    dynamo_log.setLevel(logging.ERROR)  # explain's table says it all; skip the same as warnings
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # the print example prints while traced
-            out = torch._dynamo.explain(fn)(*args)
-    finally:
-        dynamo_log.setLevel(level)
+    with break_warnings_dropped(), contextlib.redirect_stdout(io.StringIO()):
+        out = torch._dynamo.explain(fn)(*args)  # the print example prints while traced
     return {"graphs": out.graph_count, "breaks": out.graph_break_count,
             "reasons": [_first_line(r.reason) for r in out.break_reasons],
             "ops_per_graph": [len(ops) for ops in out.ops_per_graph]}

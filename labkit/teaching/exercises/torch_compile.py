@@ -3,7 +3,11 @@
 ``clip_norm_broken`` scales a tensor down when its norm is too large, with a Python ``if`` on a
 tensor value: Dynamo must stop the graph to learn the bool. The learner writes ``clip_norm``,
 the same function in one graph. The check compares it with the broken version (run eagerly,
-the reference) on awkward inputs, then asks ``torch._dynamo.explain`` for zero breaks.
+the reference) on awkward inputs, its output and its gradient with respect to ``x``, then asks
+``torch._dynamo.explain`` for zero breaks. The gradient is what catches the classic slip:
+``torch.where`` differentiates both branches, so a branch that is inf where it is not picked
+(``max_norm / norm`` at norm 0) gives ``0 * inf = NaN`` in the gradient though the output is
+right.
 """
 from __future__ import annotations
 
@@ -29,19 +33,28 @@ def _cases(seed: int, device) -> list[Case]:
         return (torch.randn(n, dim, generator=g) * scale).to(device)
 
     dim = rng.choice([8, 16, 24])
-    return [
+    cases = [
         Case("norm far above max_norm", (rows(6, dim, 3.0), 1.0)),
         Case("norm below max_norm (left as it is)", (rows(5, dim, 0.01), 1.0)),
         Case("one token", (rows(1, dim), 0.5)),
-        Case("all zeros (norm 0)", (torch.zeros(3, dim, device=device), 1.0)),
+        Case("all zeros (norm 0; the gradient too)", (torch.zeros(3, dim, device=device), 1.0)),
         Case("no tokens at all (empty)", (rows(0, dim), 1.0)),
         Case(f"a larger max_norm ({(m := rng.choice([4.0, 8.0]))})", (rows(7, dim, 2.0), m)),
     ]
+    for case in cases:  # the gradient flowing back into the output, one value per element
+        case.kwargs["grad_out"] = rows(*case.args[0].shape)
+    return cases
 
 
 def _run(fn, case: Case) -> dict:
+    """The output, and the gradient of (output * grad_out).sum() with respect to x."""
     x, max_norm = case.args
-    return {"output": fn(x, max_norm)}
+    x = x.detach().requires_grad_(True)
+    out = fn(x, max_norm)
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return {"output": out, "grad": None}
+    (grad,) = torch.autograd.grad(out, x, case.kwargs["grad_out"], allow_unused=True)
+    return {"output": out.detach(), "grad": grad}
 
 
 def _diagnose(case: Case, got: dict, expected: dict) -> str | None:
@@ -49,12 +62,23 @@ def _diagnose(case: Case, got: dict, expected: dict) -> str | None:
     if isinstance(out, torch.Tensor) and out.shape == want.shape and out.isnan().any():
         return ("NaN where the broken version gives numbers: with norm 0, max_norm / norm is inf "
                 "and 0 * inf is NaN. torch.where picks per element, so compute a branch that is "
-                "finite wherever it is picked (or clamp the factor).")
+                "finite wherever it is picked (divide by a safe denominator).")
+    grad = got.get("grad")
+    if isinstance(out, torch.Tensor) and grad is None:
+        return ("Your output carries no gradient back to x: compute it from x with torch ops "
+                "(no .detach(), .item() or a new tensor built from numbers).")
+    if isinstance(grad, torch.Tensor) and grad.isnan().any() and not expected["grad"].isnan().any():
+        return ("The output is right, but its gradient is NaN. torch.where differentiates both "
+                "branches: the branch it did not pick gets a gradient of 0, and 0 times the inf "
+                "in max_norm / norm is NaN (clamping the factor afterwards does the same). Keep "
+                "the unpicked branch finite: divide by a safe denominator inside it, e.g. "
+                "torch.where(norm > max_norm, norm, torch.ones_like(norm)).")
     return None
 
 
 def _no_breaks(fn, device) -> str | None:
-    from labkit.lessons.torch_compile import graph_breaks# imports Dynamo: only when a check gets this far
+    # imports Dynamo: only when a check gets this far
+    from labkit.lessons.torch_compile import graph_breaks
 
     x = torch.randn(4, 16, device=device) * 3
     report = graph_breaks.explain(fn, x, 1.0)
@@ -72,18 +96,24 @@ EXERCISES = [Exercise(
     task="compute clip_norm_broken's result in one graph: no Python if on a tensor value",
     cases=_cases, run=_run, reference=clip_norm_broken, diagnose=_diagnose,
     extra_check=_no_breaks, atol=1e-6, rtol=1e-6,
-    note=lambda device: ("Checked eagerly on every input against clip_norm_broken, then traced "
-                         "once by torch._dynamo.explain, which must find one graph and no break."),
+    note=lambda device: ("Checked eagerly on every input against clip_norm_broken, the output "
+                         "and its gradient with respect to x, then traced once by "
+                         "torch._dynamo.explain, which must find one graph and no break."),
     hints=(
-        "The break is `if norm > max_norm:`: Python needs a real bool, so Dynamo must run the "
-        "graph so far and come back. Can the choice be made per element, inside the graph?",
-        "`torch.where(norm > max_norm, a, b)` computes both `a` and `b` and picks, element by "
-        "element; `norm > max_norm` stays a 0-d tensor.",
-        "Both sides are cheap here. Watch the all-zeros input: `max_norm / norm` is inf there; "
-        "make sure what is picked for it is finite.",
+        ("The break is `if norm > max_norm:`: Python needs a real bool, so Dynamo must run the "
+         "graph so far and come back. Can the choice be made per element, inside the graph?"),
+        ("`torch.where(norm > max_norm, a, b)` computes both `a` and `b` and picks, element by "
+         "element; `norm > max_norm` stays a 0-d tensor."),
+        ("Watch the all-zeros input: `max_norm / norm` is inf there. The branch torch.where "
+         "does not pick is still computed and still differentiated, and 0 * inf = NaN in the "
+         "gradient. Divide by a denominator that is safe wherever that branch is not picked: "
+         "`torch.where(norm > max_norm, norm, torch.ones_like(norm))`."),
     ),
-    seen="`torch.where(norm > max_norm, x * (max_norm / norm), x)` gives the broken version's "
-         "numbers on every input, and `explain` now reports 1 graph and 0 breaks. It computes "
-         "both branches: fine for two cheap elementwise ops; for an expensive branch a break (or "
+    seen="`big = norm > max_norm; safe = torch.where(big, norm, torch.ones_like(norm))`, then "
+         "`torch.where(big, x * (max_norm / safe), x)`, gives the broken version's numbers and "
+         "gradient on every input, and `explain` reports 1 graph and 0 breaks. Without the safe "
+         "denominator the output is right but the gradient at norm 0 is NaN: torch.where "
+         "differentiates both branches, and the unpicked one meets 0 * inf. It computes both "
+         "branches: fine for two cheap elementwise ops; for an expensive branch a break (or "
          "`torch.cond`) can be the better trade.",
 )]
