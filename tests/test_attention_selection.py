@@ -238,7 +238,14 @@ def test_example_models_select_as_the_notebook_describes():
         except BackendUnavailable:
             chosen[name] = None
     assert chosen["GQA + fp8 KV cache"] == "triton"
-    assert chosen["MLA (DeepSeek-V2-Lite)"] is None, "no backend supports MLA yet"
+    assert chosen["MLA (DeepSeek-V3)"] is None, "no backend supports MLA yet"
+
+
+def test_the_mla_example_caches_one_shared_576_wide_latent_per_token():
+    spec = example_specs()["MLA (DeepSeek-V3)"]
+    assert (spec.num_q_heads, spec.num_kv_heads, spec.head_dim) == (128, 1, 512 + 64), \
+        "one latent (512 compressed K/V + 64 RoPE key) shared by all 128 query heads"
+    assert spec.attention_kind == "MLA"
 
 
 def test_selection_lines_match_what_is_logged(caplog):

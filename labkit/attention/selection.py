@@ -233,6 +233,9 @@ def selection_lines(chosen: str, passed: dict[str, list[str]], *, forced: bool,
     return lines
 
 
+MLA_LATENT, MLA_ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim (config.json)
+
+
 def example_specs(device: str = "cuda", compute_capability=(9, 0)) -> dict[str, AttentionSpec]:
     """Model shapes worth selecting for (head counts as published for these models)."""
     hw = dict(device=device, compute_capability=compute_capability if device == "cuda" else None)
@@ -244,7 +247,11 @@ def example_specs(device: str = "cuda", compute_capability=(9, 0)) -> dict[str, 
                                             kv_scale="per_kv_head", **hw),
         "GQA, decode in CUDA Graphs": AttentionSpec(32, 8, 128, cuda_graph="uniform_decode",
                                                     **hw),
-        "MLA (DeepSeek-V2-Lite)": AttentionSpec(16, 16, 576, mla=True, **hw),
+        # DeepSeek-V3 (config.json): 128 query heads read one latent per token, 576 wide:
+        # kv_lora_rank 512 (the compressed K/V) + qk_rope_head_dim 64 (the decoupled RoPE key),
+        # shared by every head. With the up-projections absorbed into the query and output
+        # weights, attention runs over that one cached "head": MQA-like, 128 to 1.
+        "MLA (DeepSeek-V3)": AttentionSpec(128, 1, MLA_LATENT + MLA_ROPE, mla=True, **hw),
     }
 
 
