@@ -6,9 +6,16 @@ import copy
 import pandas as pd
 import pytest
 
+from labkit.attention import AttentionSpec, example_specs
 from labkit.lessons.attention_backends import claims as told
 from labkit.lessons.attention_backends import roofline as rl
-from labkit.lessons.attention_backends.compare import attention_io, tile_io
+from labkit.lessons.attention_backends.compare import (
+    AttentionWorkload,
+    attention_io,
+    fp8_cache_error,
+    mla_cache_bytes,
+    tile_io,
+)
 from labkit.teaching import reset_claims
 from labkit.tools import recorded
 
@@ -60,6 +67,59 @@ def test_tiling_claims_hold_on_the_tile_arithmetic_and_fail_when_tiles_stop_payi
     flat = tiles.assign(flops_per_byte=[128.0, 64.0])  # the larger tile no longer pays
     worse = {**io, "tiled_bytes": io["naive_bytes"] * 2}
     assert held(told.tiling_claims(flat, worse, 4096)) == [False, False]
+
+
+LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
+
+
+def test_causal_memory_claims_hold_on_the_kernels_tile_counts():
+    ios = {n: attention_io(n, n, 32, 128) for n in LENGTHS}
+    assert held(told.causal_memory_claims(ios)) == [True, True]
+
+
+def test_the_causal_claim_fails_when_the_loop_runs_past_the_diagonal():
+    ios = {n: attention_io(n, n, 32, 128) for n in LENGTHS}
+    unskipped = {n: {**io, "causal_tiled_bytes": io["tiled_bytes"],
+                     "causal_flops_computed": io["tiled_flops_computed"]}
+                 for n, io in ios.items()}
+    assert held(told.causal_memory_claims(unskipped)) == [False, True]
+
+
+def test_the_memory_claim_fails_when_the_tiled_kernel_holds_the_scores():
+    ios = {n: attention_io(n, n, 32, 128) for n in LENGTHS}
+    holding = {n: {**io, "tiled_memory_bytes": io["naive_memory_bytes"]} for n, io in ios.items()}
+    assert held(told.causal_memory_claims(holding)) == [True, False]
+
+
+def test_causal_tiles_follow_the_diagonal():
+    io = attention_io(256, 256, 1, 64, block_m=128, block_n=64)
+    # query tile 0 reads keys [0, 128), tile 1 keys [0, 256): 384 of 512 keys
+    assert io["causal_tiled_bytes"] - 2 * 256 * 64 * 2 == 2 * 384 * 64 * 2
+    assert io["causal_flops_computed"] / io["tiled_flops_computed"] == 384 / 512
+    assert io["tiled_memory_bytes"] == 4 * 256 * 64 * 2, "Q, K, V, O"
+
+
+def test_mla_claim_holds_on_the_example_spec_and_fails_on_per_head_kv():
+    cache = mla_cache_bytes(128, 512, 64, qk_nope=128, v_head=128)
+    assert cache["mla_bytes"] == 576 * 2 and cache["per_head_bytes"] == 128 * (192 + 128) * 2
+    spec = example_specs()["MLA (DeepSeek-V3)"]
+    assert held(told.mla_claims(spec, cache)) == [True]
+    sixteen_heads = AttentionSpec(128, 16, 576, mla=True)
+    assert held(told.mla_claims(sixteen_heads, cache)) == [False]
+
+
+def test_fp8_accuracy_claims_hold_on_the_reference_path_and_fail_when_fp8_is_not_worse():
+    w = AttentionWorkload((1, 1, 1, 4), (512, 200, 33, 17), 8, 2, 128)
+    table = fp8_cache_error(w, "cpu", seeds=range(3))
+    assert list(table.path.unique()) == ["reference"], "the kernel runs fp8 on a GPU only"
+    assert held(told.fp8_accuracy_claims(table, "cpu")) == [True]
+    assert (table.fp8_vs_float64 > table.bf16_vs_float64).all()
+    as_bf16 = table.assign(fp8_vs_float64=table.bf16_vs_float64 * 0.9)
+    assert held(told.fp8_accuracy_claims(as_bf16, "cpu")) == [False], "fp8 no worse than bf16"
+    assert held(told.fp8_accuracy_claims(table, "cpu", bound=1e-3)) == [False], "over the bound"
+    one_bad_seed = table.copy()
+    one_bad_seed.loc[0, "fp8_vs_float64"] = told.FP8_ERROR_BOUND * 1.5
+    assert held(told.fp8_accuracy_claims(one_bad_seed, "cpu")) == [False], "every seed counts"
 
 
 def test_selection_claims_hold_on_the_notebooks_decisions_and_fail_on_other_ones():

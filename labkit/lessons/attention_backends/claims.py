@@ -9,6 +9,7 @@ H200"); ``recorded`` is the recording checked against, or None when measured her
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pandas as pd
@@ -54,6 +55,77 @@ def tiling_claims(tiles: pd.DataFrame, io: dict, length: int) -> list:
               tiled=io["tiled_bytes"] / 2**20, naive=io["naive_bytes"] / 2**20,
               x=io["naive_bytes"] / io["tiled_bytes"]),
     ]
+
+
+def causal_memory_claims(ios: dict[int, dict]) -> list:
+    """``ios``: ``attention_io`` per sequence length (prefill, len_q == len_k). With the causal
+    mask the key loop stops at the diagonal: the fraction of K/V bytes and FLOPs left tends to
+    one half as S grows. Without a score matrix in HBM, the footprint grows linearly in S."""
+    lengths = sorted(ios)
+    frac = {n: (ios[n]["causal_tiled_bytes"] / ios[n]["tiled_bytes"],
+                ios[n]["causal_flops_computed"] / ios[n]["tiled_flops_computed"])
+            for n in lengths}
+    short, long_ = lengths[0], lengths[-1]
+    shrinking = all(frac[a][i] >= frac[b][i] for a, b in itertools.pairwise(lengths)
+                    for i in (0, 1))
+    a, b = lengths[-2], lengths[-1]
+    tiled_growth = ios[b]["tiled_memory_bytes"] / ios[a]["tiled_memory_bytes"]
+    naive_growth = ios[b]["naive_memory_bytes"] / ios[a]["naive_memory_bytes"]
+    length_growth = b / a
+    return [
+        claim("Causal prefill at {n:,} tokens: the kernel's key loop stops at the diagonal, so it "
+              "reads {bytes_:.3f} of the tiled loop's K/V bytes and computes {flops:.3f} of its "
+              "FLOPs; at {n0:,} tokens {bytes0:.3f} and {flops0:.3f}. The fraction falls with "
+              "the length toward one half.",
+              shrinking and 0.5 <= frac[long_][1] <= frac[long_][0] < 0.55, n=long_,
+              bytes_=frac[long_][0], flops=frac[long_][1], n0=short, bytes0=frac[short][0],
+              flops0=frac[short][1]),
+        claim("The tiled kernel never materialises the scores: from {a:,} to {b:,} tokens "
+              "({g:.0f}x the length) the HBM a call holds grows {tiled:.2f}x (Q, K, V, O: linear "
+              "in S), the naive one's {naive:.2f}x (the [S, S] scores: quadratic); at {b:,} "
+              "tokens {naive_mib:,.0f} MiB against {tiled_mib:,.0f} MiB.",
+              tiled_growth <= length_growth * (1 + 1e-9) and naive_growth > 0.9 * length_growth**2,
+              a=a, b=b, g=length_growth, tiled=tiled_growth, naive=naive_growth,
+              naive_mib=ios[b]["naive_memory_bytes"] / 2**20,
+              tiled_mib=ios[b]["tiled_memory_bytes"] / 2**20),
+    ]
+
+
+def mla_claims(spec, cache: dict) -> list:
+    """The MLA example as selection sees it: one latent "KV head" shared by every query head,
+    and its cache bytes per token (``compare.mla_cache_bytes``) against per-head K and V."""
+    return [claim(
+        "DeepSeek-V3's MLA spec caches {kv} latent of width {w} per token and layer, read by all "
+        "{hq} query heads: {mla:,} bytes in bf16, against {per:,} bytes for per-head K and V of "
+        "the same heads ({x:.0f}x less).",
+        spec.num_kv_heads == 1 and 2 * spec.head_dim == cache["mla_bytes"] and cache["ratio"] > 1,
+        kv=spec.num_kv_heads, w=spec.head_dim, hq=spec.num_q_heads, mla=cache["mla_bytes"],
+        per=cache["per_head_bytes"], x=cache["ratio"])]
+
+
+FP8_ERROR_BOUND = 2.0**-4  # e4m3 keeps 3 mantissa bits: its largest relative rounding error
+
+
+def fp8_accuracy_claims(table: pd.DataFrame, device: str, bound: float = FP8_ERROR_BOUND,
+                        where: str = "") -> list:
+    """``compare.fp8_cache_error``'s table: per path, fp8's output error against the float64
+    reference is larger than bf16's in every seed and stays below ``bound`` in every seed."""
+    made = []
+    for path, rows in table.groupby("path", sort=False):
+        fp8, bf16 = Spread.of(rows.fp8_vs_float64), Spread.of(rows.bf16_vs_float64)
+        ratio = Spread.of(rows.fp8_vs_float64 / rows.bf16_vs_float64)
+        vs_bf16 = Spread.of(rows.fp8_vs_bf16)
+        how = ("With float64 attention over each stored cache (the storage's error alone)"
+               if path == "reference" else f"With labkit's `{path}` kernel")
+        made.append(claim(
+            "{how}, on {device}{where}, over {n} seeds: the fp8 cache's output is {fp8:.2e} off "
+            "the float64 reference (relative, median and range), the bf16 cache's {bf16:.2e}; "
+            "fp8 has {ratio:.1fx} bf16's error and differs from the bf16 cache's output by "
+            "{vs_bf16:.2e}. Every seed stays below {bound:.4f}, e4m3's largest relative "
+            "rounding error.", ratio.above(1) and fp8.below(bound), how=how, device=device,
+            where=where, n=len(rows), fp8=fp8, bf16=bf16, ratio=ratio, vs_bf16=vs_bf16,
+            bound=bound))
+    return made
 
 
 def selection_claims(chosen: dict, refused: dict) -> list:

@@ -196,15 +196,101 @@ def tile_io(block_m: int, block_n: int, head_dim: int, elem_bytes: int = 2) -> d
 
 
 def attention_io(len_q: int, len_k: int, num_heads: int, head_dim: int, block_m: int = 128,
-                 elem_bytes: int = 2) -> dict:
+                 elem_bytes: int = 2, block_n: int = 64) -> dict:
     """HBM bytes of one head-batch of attention: naive (scores written and read back) vs tiled
-    (no scores in HBM, but K/V read once per query tile)."""
+    (no scores in HBM, but K/V read once per query tile).
+
+    ``causal_*``: the tiled kernel with the causal mask, which stops each query tile's key loop
+    at the diagonal (``flash_fwd_kernel``'s ``hi``), so the key tiles above it are neither read
+    nor computed. ``*_memory_bytes``: what must sit in HBM during the call, naive with one
+    ``[len_q, len_k]`` score matrix per head, tiled with Q, K, V and O only."""
     qo = 2 * len_q * head_dim * elem_bytes
     kv = 2 * len_k * head_dim * elem_bytes
     scores = len_q * len_k * elem_bytes
     naive = qo + kv + 4 * scores  # S written, read for softmax, P written, read for PV
-    tiled = qo + kv * math.ceil(len_q / block_m)
+    query_tiles = math.ceil(len_q / block_m)
+    tiled = qo + kv * query_tiles
     flops = 4 * len_q * len_k * head_dim
+    keys_read = 0  # per head, summed over query tiles, whole key tiles as the kernel loads them
+    causal_flops = 0
+    for t in range(query_tiles):
+        rows = min(block_m, len_q - t * block_m)
+        hi = min(len_k, len_k - len_q + t * block_m + rows)  # one past the tile's last position
+        keys = min(len_k, math.ceil(max(hi, 0) / block_n) * block_n)
+        keys_read += keys
+        causal_flops += 4 * block_m * keys * head_dim  # whole tiles, masked lanes included
+    causal_tiled = qo + 2 * keys_read * head_dim * elem_bytes
+    full_flops = 4 * block_m * query_tiles * math.ceil(len_k / block_n) * block_n * head_dim
     return {"naive_bytes": naive * num_heads, "tiled_bytes": tiled * num_heads,
             "flops": flops * num_heads, "naive_flops_per_byte": flops / naive,
-            "tiled_flops_per_byte": flops / tiled}
+            "tiled_flops_per_byte": flops / tiled,
+            "causal_tiled_bytes": causal_tiled * num_heads,
+            "tiled_flops_computed": full_flops * num_heads,
+            "causal_flops_computed": causal_flops * num_heads,
+            "naive_memory_bytes": (qo + kv + scores) * num_heads,
+            "tiled_memory_bytes": (qo + kv) * num_heads}
+
+
+def mla_cache_bytes(num_q_heads: int, latent: int, rope: int, qk_nope: int, v_head: int,
+                    elem_bytes: int = 2) -> dict:
+    """KV-cache bytes per token and layer: MLA's one shared latent (``latent`` compressed K/V +
+    ``rope`` decoupled RoPE key) against per-head K (``qk_nope + rope`` wide) and V (``v_head``)
+    for every query head, what the same attention would cache without compression."""
+    mla = (latent + rope) * elem_bytes
+    per_head = num_q_heads * (qk_nope + rope + v_head) * elem_bytes
+    return {"mla_bytes": mla, "per_head_bytes": per_head, "ratio": per_head / mla}
+
+
+def fp8_cache_error(w: AttentionWorkload, device: str = "cpu", seeds=range(5)) -> pd.DataFrame:
+    """What storing the cache in fp8 costs in accuracy, one row per seed and path.
+
+    K and V are drawn in float32 (the "true" values) and stored three ways: as they are, in
+    bf16, and in fp8 e4m3 with a scale per KV head (what ``AttentionWorkload.make`` does). The
+    queries are bf16 throughout, so only the cache's storage differs. ``path="reference"``
+    attends in float64 (``paged_attention_ref``) over each stored cache: the storage's error
+    alone, on any machine. ``path="triton"`` runs labkit's kernel on the bf16 and fp8 caches
+    on a GPU that ``reasons_against`` lets it serve (in Triton's interpreter the kernel's bf16
+    and fp8 arithmetic is not the GPU's, so a CPU run measures the reference path only). Errors are relative (``|out - ref| / |ref|``, Frobenius norms) against the
+    float64 attention over the float32 cache, and fp8 against bf16 on the same path."""
+    rows = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        cu_q = torch.tensor([0, *accumulate(w.lens_q)], dtype=torch.int32)
+        q = torch.randn(sum(w.lens_q), w.num_q_heads, w.head_dim, generator=g).bfloat16()
+        width = max(1, max(math.ceil(n / w.block_size) for n in w.seq_lens))
+        num_blocks = len(w.seq_lens) * width
+        table = torch.randperm(num_blocks, generator=g).reshape(len(w.seq_lens), width).int()
+        shape = (num_blocks, w.block_size, w.num_kv_heads, w.head_dim)
+        k, v = (torch.randn(shape, generator=g) for _ in range(2))
+        scales = [c.abs().amax((0, 1, 3)) / 448.0 for c in (k, v)]  # e4m3's largest is 448
+        fp8 = [(c / s[:, None]).to(FP8) for c, s in zip((k, v), scales)]
+        lens = torch.tensor(w.seq_lens, dtype=torch.int32)
+        kw = {"causal": w.causal, "window": w.window}
+        exact = paged_attention_ref(q, k, v, table, cu_q, lens, **kw)
+        caches = {"bf16": ((k.bfloat16(), v.bfloat16()), {}),
+                  "fp8_e4m3": (tuple(fp8), {"k_scale": scales[0], "v_scale": scales[1]})}
+        paths = {"reference": None}
+        spec = AttentionSpec(w.num_q_heads, w.num_kv_heads, w.head_dim, torch.bfloat16,
+                             kv_cache_dtype="fp8_e4m3", kv_scale="per_kv_head",
+                             block_size=w.block_size, device=device,
+                             compute_capability=(torch.cuda.get_device_capability()
+                                                 if device == "cuda" else None))
+        if device == "cuda" and not reasons_against(BACKENDS["triton"], spec):
+            paths["triton"] = BACKENDS["triton"]
+        for path, backend in paths.items():
+            out = {}
+            for cache, ((kc, vc), scale) in caches.items():
+                if backend is None:
+                    out[cache] = paged_attention_ref(q, kc, vc, table, cu_q, lens, **kw, **scale)
+                else:
+                    args = (q, kc, vc, table, cu_q, lens)
+                    out[cache] = backend.paged(*(a.to(device) for a in args), **kw, **{
+                        n: t.to(device) for n, t in scale.items()}).double().cpu()
+
+            def rel(a, b):
+                return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+            rows.append({"seed": seed, "path": path,
+                         "bf16_vs_float64": rel(out["bf16"], exact),
+                         "fp8_vs_float64": rel(out["fp8_e4m3"], exact),
+                         "fp8_vs_bf16": rel(out["fp8_e4m3"], out["bf16"])})
+    return pd.DataFrame(rows)

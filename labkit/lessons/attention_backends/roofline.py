@@ -161,16 +161,27 @@ def roofline_figure(points: pd.DataFrame, copy_gbps: float, matmul_tflops: float
 
 
 def tiling_figure(lengths, num_heads: int, head_dim: int, block_m: int) -> go.Figure:
-    """HBM bytes of one attention call, scores through HBM (naive) vs tiled, over length."""
+    """Two panels over sequence length, from ``attention_io``: the HBM bytes one call moves
+    (scores through HBM, tiled, tiled with the causal tiles skipped) and what must sit in HBM
+    during the call (naive with its score matrix, tiled with Q, K, V, O only)."""
+    from plotly.subplots import make_subplots
     io = pd.DataFrame([attention_io(n, n, num_heads, head_dim, block_m) | {"length": n}
                        for n in lengths])
-    fig = go.Figure()
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("HBM bytes moved per call",
+                                                        "HBM held during the call"))
     for col, name in (("naive_bytes", "naive: S and P written and read back"),
-                      ("tiled_bytes", f"tiled: K/V re-read once per {block_m}-query tile")):
-        fig.add_scatter(x=io.length, y=io[col] / 2**20, mode="lines+markers", name=name)
-    fig.update_layout(title=f"HBM traffic of attention, {num_heads} heads, head_dim {head_dim}",
-                      xaxis_title="sequence length", yaxis_title="MiB moved",
-                      xaxis_type="log", yaxis_type="log", height=420)
+                      ("tiled_bytes", f"tiled: K/V re-read once per {block_m}-query tile"),
+                      ("causal_tiled_bytes", "tiled, causal: tiles above the diagonal skipped")):
+        fig.add_scatter(x=io.length, y=io[col] / 2**20, mode="lines+markers", name=name,
+                        row=1, col=1)
+    for col, name in (("naive_memory_bytes", "naive: Q, K, V, O + the [S, S] scores"),
+                      ("tiled_memory_bytes", "tiled: Q, K, V, O only")):
+        fig.add_scatter(x=io.length, y=io[col] / 2**20, mode="lines+markers", name=name,
+                        line_dash="dot", row=1, col=2)
+    fig.update_xaxes(title_text="sequence length", type="log")
+    fig.update_yaxes(title_text="MiB", type="log")
+    fig.update_layout(title=f"Attention in HBM, {num_heads} heads, head_dim {head_dim}",
+                      height=460, legend={"orientation": "h", "y": -0.25})
     return fig
 
 
