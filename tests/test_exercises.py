@@ -178,12 +178,21 @@ def test_returning_the_padding_rows_is_named():
 
 def test_right_numbers_with_a_graph_break_still_fail():
     def clip_norm(x, max_norm):
-        norm = x.norm().item()
+        norm = x.norm()  # a tensor's truth value in an `if`: data-dependent control flow
         return x * (max_norm / norm) if norm > max_norm else x
 
     result = check("03.1", clip_norm, device="cpu")
-    assert not result.passed and all(c.passed for c in result.cases)
+    assert not result.passed and all(c.passed for c in result.cases), result.message
     assert "breaks the graph" in result.message, result.message
+
+
+def test_a_norm_taken_out_of_autograd_with_item_fails_on_the_gradient():
+    def clip_norm(x, max_norm):
+        norm = x.norm().item()  # a Python float: the clip no longer depends on x for autograd
+        return x * (max_norm / norm) if norm > max_norm else x
+
+    result = check("03.1", clip_norm, device="cpu")
+    assert not result.passed and "grad" in result.message, result.message
 
 
 def test_waiting_for_the_whole_copy_stream_is_right_but_too_much():
