@@ -1,9 +1,11 @@
 import os
 import shutil
 
-import labkit  # noqa: F401  (before anything imports triton: interpreter on where there is no GPU)
 import pytest
 import torch
+
+import labkit  # noqa: F401  (before anything imports triton: interpreter on where there is no GPU)
+from labkit.teaching import reset_claims
 
 
 def pytest_collection_modifyitems(config, items):
@@ -13,6 +15,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_claims():
+    """Claims are kept in one list per process (a notebook's kernel): each test starts and ends
+    with it empty, so no test sees another's claims."""
+    reset_claims()
+    yield
+    reset_claims()
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

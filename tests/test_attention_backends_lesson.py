@@ -16,15 +16,7 @@ from labkit.lessons.attention_backends.compare import (
     mla_cache_bytes,
     tile_io,
 )
-from labkit.teaching import reset_claims
 from labkit.tools import recorded
-
-
-@pytest.fixture(autouse=True)
-def fresh_claims():
-    reset_claims()
-    yield
-    reset_claims()
 
 
 @pytest.fixture

@@ -2,14 +2,7 @@
 import pytest
 
 from labkit import teaching
-from labkit.teaching import assert_claims_held, claim, claims, reset_claims
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    reset_claims()
-    yield
-    reset_claims()
+from labkit.teaching import assert_claims_held, claim, claims
 
 
 class FakeRecording:

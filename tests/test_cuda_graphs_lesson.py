@@ -12,15 +12,7 @@ from labkit.lessons.cuda_graphs import claims as gc
 from labkit.lessons.cuda_graphs import measurements as gx
 from labkit.lessons.cuda_graphs import pitfalls as gp
 from labkit.measure.profile import Trace
-from labkit.teaching import reset_claims
 from labkit.tools import recorded
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    reset_claims()
-    yield
-    reset_claims()
 
 
 @pytest.fixture(scope="module")

@@ -48,14 +48,6 @@ def test_an_eager_kernel_is_bound_by_the_max_of_launch_and_kernel_not_their_sum(
     assert bound.launch_share.iloc[0] == pytest.approx(1 - 1 / 7)
 
 
-@pytest.fixture
-def fresh_claims():
-    from labkit.teaching import reset_claims
-    reset_claims()
-    yield
-    reset_claims()
-
-
 def recorded_sweep():
     from labkit.tools import recorded
     rec = recorded.load("launch_overhead")

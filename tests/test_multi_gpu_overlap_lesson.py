@@ -10,17 +10,9 @@ import pytest
 
 from labkit.lessons import multi_gpu_overlap as mgo
 from labkit.measure.rounds import Spread
-from labkit.teaching import reset_claims
 from labkit.tools import recorded
 
 WHERE = "on 2 x NVIDIA H200 (recorded)"
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    reset_claims()
-    yield
-    reset_claims()
 
 
 @pytest.fixture(scope="module")

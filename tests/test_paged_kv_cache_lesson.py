@@ -4,14 +4,6 @@ import pandas as pd
 import pytest
 
 from labkit.lessons import paged_kv_cache as bmap
-from labkit.teaching import reset_claims
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    reset_claims()
-    yield
-    reset_claims()
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,6 @@ from labkit.tools import recorded
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def fresh_claims():
-    from labkit.teaching import reset_claims
-    reset_claims()
-    yield
-    reset_claims()
-
-
 @pytest.fixture(scope="module")
 def rec():
     return recorded.load("pinned_memory_streams", "transfer")

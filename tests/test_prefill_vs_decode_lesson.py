@@ -8,17 +8,9 @@ import pytest
 from labkit.lessons.prefill_vs_decode import chunked_prefill as cp
 from labkit.lessons.prefill_vs_decode import claims as pc
 from labkit.lessons.prefill_vs_decode import forward as pdc
-from labkit.teaching import reset_claims
 from labkit.tools import recorded
 
 DECODE = "decode B=1 ctx 1024"
-
-
-@pytest.fixture(autouse=True)
-def fresh_claims():
-    reset_claims()
-    yield
-    reset_claims()
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,6 @@ from labkit.lessons.torch_compile import claims as cl
 from labkit.lessons.torch_compile import cold_start as cs
 from labkit.lessons.torch_compile import modes as md
 from labkit.measure.rounds import Rounds, Spread
-from labkit.teaching import reset_claims
-
-
-@pytest.fixture(autouse=True)
-def fresh_claims():
-    reset_claims()
-    yield
-    reset_claims()
 
 
 def steady(rounds: dict[str, list[float]], gpu: dict[str, float] | None = None,

@@ -4,15 +4,7 @@ import pytest
 import torch
 
 from labkit.lessons import tour
-from labkit.teaching import reset_claims
 from labkit.tools import recorded
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    reset_claims()
-    yield
-    reset_claims()
 
 
 @pytest.fixture
