@@ -203,18 +203,27 @@ def _sdpa(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
     return out.transpose(1, 2)[seq, row]
 
 
-def sdpa_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None):
-    return _sdpa(q, cu_seqlens_q, cu_seqlens_q.diff(), cu_seqlens_k.diff(),
-                 _read_packed(k, v, cu_seqlens_k), causal=causal, window=window, scale=scale)
+def _entry_points(run, name: str):
+    """The two calls of ``labkit.attention`` over one padded-batch implementation ``run``:
+    ``flash`` reads packed K/V, ``paged`` a block-table cache (no fp8: the gather does not
+    dequantise)."""
+    def flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None):
+        return run(q, cu_seqlens_q, cu_seqlens_q.diff(), cu_seqlens_k.diff(),
+                   _read_packed(k, v, cu_seqlens_k), causal=causal, window=window, scale=scale)
+
+    def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
+              window=None, scale=None, k_scale=None, v_scale=None):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"the {name} backend has no fp8 cache support")
+        return run(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
+                   _read_paged(k_cache, v_cache, block_tables, q.dtype), causal=causal,
+                   window=window, scale=scale)
+
+    flash.__name__, paged.__name__ = f"{name}_flash", f"{name}_paged"
+    return flash, paged
 
 
-def sdpa_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
-                window=None, scale=None, k_scale=None, v_scale=None):
-    if k_scale is not None or v_scale is not None:
-        raise ValueError("the sdpa backend has no fp8 cache support")
-    return _sdpa(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
-                 _read_paged(k_cache, v_cache, block_tables, q.dtype), causal=causal, window=window,
-                 scale=scale)
+sdpa_flash, sdpa_paged = _entry_points(_sdpa, "sdpa")
 
 
 # --- flex: FlexAttention over the same padded batch, a block mask per batch shape -------------
@@ -274,17 +283,6 @@ def _flex(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
     return out.squeeze(2).contiguous() if unpad is None else out.transpose(1, 2)[unpad]
 
 
-def flex_flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None):
-    return _flex(q, cu_seqlens_q, cu_seqlens_q.diff(), cu_seqlens_k.diff(),
-                 _read_packed(k, v, cu_seqlens_k), causal=causal, window=window, scale=scale)
-
-
-def flex_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
-                window=None, scale=None, k_scale=None, v_scale=None):
-    if k_scale is not None or v_scale is not None:
-        raise ValueError("the flex backend has no fp8 cache support")
-    return _flex(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
-                 _read_paged(k_cache, v_cache, block_tables, q.dtype), causal=causal, window=window,
-                 scale=scale)
+flex_flash, flex_paged = _entry_points(_flex, "flex")
 
 
