@@ -136,12 +136,21 @@ def test_fused_claim_fails_when_fused_and_plain_are_swapped(rec, points):
 
 
 def test_context_claim_fails_when_time_outgrows_the_bytes_or_does_not_grow():
-    growth = {"batch": 16, "context": 256, "long_context": 1024, "mode": "eager",
+    growth = {"batch": 16, "context": 256, "long_context": 1024, "mode": "graph",
               "ratio": [1.80, 1.86, 1.80], "bytes_ratio": 1.86, "flops_ratio": 1.29}
     assert held(pc.context_claim(growth)) == [True]
-    assert held(pc.context_claim(dict(growth, ratio=[2.5, 2.6, 2.7]))) == [False]
+    assert held(pc.context_claim(dict(growth, ratio=[2.5, 2.6, 2.7]))) == [False], (
+        "replayed, a memory-bound step cannot outgrow its bytes")
     assert held(pc.context_claim(dict(growth, ratio=[0.95, 1.2, 1.3]))) == [False], (
         "one round faster with more context: the whole range does not clear 1")
+
+
+def test_eager_on_a_cpu_the_context_claim_asks_only_that_the_step_grows():
+    growth = {"batch": 16, "context": 256, "long_context": 1024, "mode": "eager",
+              "ratio": [2.02, 2.06, 2.54], "bytes_ratio": 1.86, "flops_ratio": 1.29}
+    made = pc.context_claim(growth, device="cpu")
+    assert made.held and "more than its bytes" in made.text, made.text
+    assert not pc.context_claim(dict(growth, ratio=[0.95, 1.2, 1.3])).held
 
 
 def test_knee_claim_fails_when_the_long_context_reaches_the_ridge():
