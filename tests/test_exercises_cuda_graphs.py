@@ -32,3 +32,28 @@ def test_a_solution_without_clone_fails_and_says_the_next_replay_overwrote_it():
     assert not result.passed
     assert "two calls in one bucket" in result.message, result.message
     assert "next replay overwrote" in result.message and "clone()" in result.message, result.message
+
+
+def test_the_pool_frees_its_graphs_without_the_cyclic_collector():
+    """A graph in a reference cycle is freed whenever the collector runs: on a GPU that may be in
+    the middle of the next capture, which CUDA refuses (the 8-row case failed so on the H200)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from labkit.teaching.exercises.cuda_graphs import BucketPool, RowStep
+
+    step = RowStep(8, torch.Generator().manual_seed(0))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        pool = BucketPool(step, BUCKETS, 8, torch.device("cpu"))
+        graph = weakref.ref(pool.graphs[BUCKETS[-1]])
+        pool.graphs[1].replay()
+        assert pool.replayed == [1]
+        del pool
+        assert graph() is None, "the pool's graphs survive it until the cyclic collector runs"
+    finally:
+        if enabled:
+            gc.enable()

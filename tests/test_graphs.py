@@ -196,3 +196,28 @@ def test_buckets_are_captured_largest_first_into_one_pool_and_memory_is_predicte
         f"predicted {predicted / 2**20:.1f} MiB, captured {actual / 2**20:.1f} MiB")
     table = pool.stats.table()
     assert list(table.columns) == ["key", "capture_ms", "pool_MiB", "replays", "rows", "padded_rows"]
+
+
+@gpu
+def test_a_collection_during_capture_cannot_free_an_old_graph_into_it():
+    """An old graph kept alive only by a reference cycle: with the collector at its most eager,
+    capturing a new graph that allocates Python objects would free the old one mid-capture."""
+    import gc
+
+    from labkit.graphs.pool import capture_graph
+
+    x = torch.ones(64, device="cuda")
+    thresholds = gc.get_threshold()
+    try:
+        for _ in range(3):
+            holder = {}
+            holder["graph"], _ = capture_graph(lambda: x * 2)
+            holder["self"] = holder           # unreachable after this loop: only gc frees it
+            del holder
+        gc.set_threshold(1)
+        graph, out = capture_graph(lambda: [object() for _ in range(1000)] and x + 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, x + 1)
+    finally:
+        gc.set_threshold(*thresholds)

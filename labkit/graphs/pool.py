@@ -12,6 +12,7 @@ context length: the choice is frozen into each graph, so each choice needs its o
 """
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from collections import Counter
@@ -84,10 +85,19 @@ def capture_graph(fn: Callable, warmup: int = 2, pool=None, side: torch.cuda.Str
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # Capture on the warm-up stream: per-stream state made during warm-up (cuBLAS keeps a
-    # workspace per stream, 32 MiB on Hopper) is then reused instead of landing in the graph.
-    with torch.cuda.graph(graph, pool=pool, stream=side):
-        outputs = fn()
+    # The cyclic collector is held off while capturing: freeing an unreachable old graph then
+    # destroys it, which CUDA forbids during a capture (it invalidates this one), and torch no
+    # longer collects before capture unless torch.compiler.config.force_cudagraph_gc is set.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        # Capture on the warm-up stream: per-stream state made during warm-up (cuBLAS keeps a
+        # workspace per stream, 32 MiB on Hopper) is then reused instead of landing in the graph.
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            outputs = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs
 
 

@@ -25,16 +25,28 @@ class BucketPool:
         self.fn = fn
         self.buckets = sorted(buckets)
         self.static_input = torch.zeros(self.buckets[-1], width, device=device)
-        self.graphs = {b: graph_pitfalls.capture(fn, self.static_input[:b]) for b in self.buckets}
         self.replayed: list = []  # which bucket each call replayed ("eager" for none)
-        for b, graph in self.graphs.items():
-            graph.replay = self._counted(b, graph.replay)
+        self.graphs = {b: _Counted(graph_pitfalls.capture(fn, self.static_input[:b]), b,
+                                   self.replayed) for b in self.buckets}
 
-    def _counted(self, bucket, replay):
-        def counted():
-            self.replayed.append(bucket)
-            replay()
-        return counted
+
+class _Counted:
+    """A captured graph whose ``replay()`` also notes its bucket in the pool's list.
+
+    A wrapper, not a patched ``replay`` attribute: that would make each graph reference itself,
+    and a graph in a reference cycle is freed by the cyclic collector at an arbitrary moment.
+    """
+
+    def __init__(self, graph, bucket: int, replayed: list):
+        self._graph, self._bucket, self._replayed = graph, bucket, replayed
+
+    @property
+    def outputs(self):
+        return self._graph.outputs
+
+    def replay(self) -> None:
+        self._replayed.append(self._bucket)
+        self._graph.replay()
 
 
 class RowStep(torch.nn.Module):
