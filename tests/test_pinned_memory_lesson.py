@@ -57,6 +57,14 @@ def test_the_sweep_claims_hold_on_an_h200_shaped_sweep():
     assert all(held(transfer.sweep_claims(sweep())))
 
 
+def test_the_pin_first_sentence_names_only_the_verdicts_some_size_got():
+    text = transfer.sweep_claims(sweep())[2].text
+    assert "no size" not in text and "within noise" not in text, text
+    assert "sooner at 1 MiB, later at 4 KiB, 256 MiB" in text, text
+    slow = dict(MEDIANS, pin_fresh_then_copy=[150.0, 200.0, 183000.0])
+    assert "later at every size" in transfer.sweep_claims(sweep(slow))[2].text
+
+
 def test_the_sweep_claims_fail_with_pageable_and_pinned_swapped():
     swapped = dict(MEDIANS, pageable=MEDIANS["pinned"], pinned=MEDIANS["pageable"],
                    pageable_call=MEDIANS["pinned_call"], pinned_call=MEDIANS["pageable_call"])

@@ -48,6 +48,18 @@ def _sizes(df: pd.DataFrame, mask) -> str:
     return ", ".join(chosen) if chosen else "no size"
 
 
+def _by_verdict(verdicts: pd.DataFrame, column: str) -> str:
+    """'sooner at 1 MiB, 4 MiB, later at 4 KiB': only the verdicts some size got."""
+    parts = []
+    for word in ("sooner", "later", "within noise"):
+        mask = verdicts[column] == word
+        if mask.all():
+            return f"{word} at every size"
+        if mask.any():
+            parts.append(f"{word} at {_sizes(verdicts, mask)}")
+    return ", ".join(parts)
+
+
 # --------------------------------------------------------------------- pageable against pinned
 def sweep_claims(sweep: pd.DataFrame, *, recorded=None) -> list:
     """Pinned against pageable at the largest size (time, and how long the CPU is held), where
@@ -80,18 +92,13 @@ def sweep_claims(sweep: pd.DataFrame, *, recorded=None) -> list:
               held_pinned.high < 0.2 * held_pageable.low, size=size_name(int(big.bytes)),
               held_pageable=held_pageable, held_pinned=held_pinned, where=where,
               recorded=recorded),
-        claim("pin_memory() on fresh pages then one copy got the data there sooner than a "
-              "pageable copy at {fresh_sooner}, later at {fresh_later}, within noise at "
-              "{fresh_noise}{where}; with the pinned block cached by PyTorch's allocator (a loop "
-              "pinning each new batch of one size) sooner at {cached_sooner}, later at "
-              "{cached_later}. Page-locking fresh memory costs more than the driver's staged "
-              "copy at {largest}: for large data copied once, do not pin it first.",
+        claim("Against a pageable copy, pin_memory() on fresh pages then one copy got the data "
+              "there {fresh}{where}; with the pinned block cached by PyTorch's allocator (a loop "
+              "pinning each new batch of one size) {cached}. Page-locking fresh memory costs "
+              "more than the driver's staged copy at {largest}: for large data copied once, do "
+              "not pin it first.",
               last.once_fresh == "later",
-              fresh_sooner=_sizes(verdicts, verdicts.once_fresh == "sooner"),
-              fresh_later=_sizes(verdicts, verdicts.once_fresh == "later"),
-              fresh_noise=_sizes(verdicts, verdicts.once_fresh == "within noise"),
-              cached_sooner=_sizes(verdicts, verdicts.once_cached == "sooner"),
-              cached_later=_sizes(verdicts, verdicts.once_cached == "later"),
+              fresh=_by_verdict(verdicts, "once_fresh"), cached=_by_verdict(verdicts, "once_cached"),
               largest=size_name(int(last.bytes)), where=where, recorded=recorded),
         claim("A buffer pinned once and reused pays for its pinning after this many copies "
               "(median, range over rounds){where}: {payoff}. At {no_saving} a pinned copy saves "

@@ -197,8 +197,8 @@ def guard_claims(table: pd.DataFrame, entries: int, *, device: str) -> list:
               "call: {reading}. Dynamo moves the entry that matched to the front of its list, so "
               "a repeated shape checks its own guards first.",
               not many_vs_one.below(0.9), n=entries, r=many_vs_one,
-              reading=("more in every round" if many_vs_one.above(1.0) else
-                       "the range straddles 1, so these rounds cannot tell the two apart"
+              reading=("more in every round" if many_vs_one.above(1.01) else
+                       "within 1% of it, or below, in some round, so these rounds resolve no cost"
                        if not many_vs_one.below(1.0) else "less in every round, which no "
                        "mechanism explains")),
     ]
