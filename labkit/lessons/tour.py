@@ -81,7 +81,7 @@ def fingerprint_table() -> pd.DataFrame:
 def sequence_table(device: torch.device) -> pd.DataFrame:
     """The notebooks of the sequence and what runs live on this device."""
     on_gpu = device.type == "cuda"
-    present = {p.stem for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb")}
+    present = {p.stem for p in NOTEBOOK_DIR.glob("[0-9][0-9]*_*.ipynb")}
     return pd.DataFrame([{"notebook": stem, "what you see": sees,
                           "on this machine": "all live on the GPU" if on_gpu else cpu_part,
                           "needs a GPU for": gpu_part}

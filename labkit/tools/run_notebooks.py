@@ -40,8 +40,15 @@ class NotebookRun:
         return sum(not c["held"] for c in self.claims)
 
 
-def notebooks(directory: Path = NOTEBOOK_DIR) -> list[Path]:
-    return sorted(p for p in directory.glob("[0-9][0-9]_*.ipynb"))
+MAIN = "[0-9][0-9]_*.ipynb"          # 06_attention_backends: the sequence
+APPENDIX = "[0-9][0-9][a-z]_*.ipynb"  # 06a_...: an optional deep dive after its main notebook
+
+
+def notebooks(directory: Path = NOTEBOOK_DIR, appendices: bool = True) -> list[Path]:
+    """The notebooks in order, each appendix right after its main notebook ('_' sorts before
+    'a')."""
+    found = list(directory.glob(MAIN)) + (list(directory.glob(APPENDIX)) if appendices else [])
+    return sorted(found)
 
 
 def declared_parameters(path: Path) -> set[str]:

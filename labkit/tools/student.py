@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.tools import REPO_ROOT as ROOT
+from labkit.tools.run_notebooks import notebooks
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION\b ?(?P<task>.*)$")
 STUB = re.compile(r"^[ \t]*# STUB\s*$")
 END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
@@ -107,7 +108,7 @@ def student_notebook(nb: dict, where: str = "") -> dict:
 
 def sources(root: Path = ROOT) -> list[Path]:
     """What a copy contains: the notebooks and the Triton exercise files."""
-    return (sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    return (notebooks(root / "notebooks")
             + sorted((root / "kernels" / "exercises").glob("*.py")))
 
 
