@@ -21,6 +21,7 @@ STAMP := $(shell date +%Y%m%d-%H%M%S)
 .PHONY: help lab test run gpu-check record handouts reset venv clean chromium student instructor
 help:
 	@echo "make lab        set up .venv and open JupyterLab on notebooks/ (127.0.0.1, with a token)"
+	@echo "                STUDENT=1: on the student copy in student/ instead (solutions as stubs)"
 	@echo "make test       set up .venv if needed and run every test, notebooks included"
 	@echo "make run        execute every notebook headless into runs/<timestamp>/ with a summary"
 	@echo "make gpu-check  on a CUDA host: GPU tests, notebooks at full size, benchmarks -> gpu-results/"
@@ -51,8 +52,10 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m ipykernel install --sys-prefix --name labkit --display-name "labkit (.venv)" >/dev/null; \
 	touch $@
 
+# STUDENT=1: serve the student copy in student/ (written first if there is none; kept after)
+STUDENT ?=
 lab: venv
-	$(VPY) -m labkit.tools.lab_server
+	$(VPY) -m labkit.tools.lab_server$(if $(STUDENT), --student student)
 
 test: venv chromium
 	$(VPY) -m pytest

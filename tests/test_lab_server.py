@@ -94,3 +94,29 @@ def test_sigterm_to_what_make_lab_starts_stops_the_server(tmp_path):
     finally:  # whatever the wrapper left behind is in its process group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_make_lab_student_serves_the_student_copy():
+    out = subprocess.run(["make", "--no-print-directory", "-n", "lab", "STUDENT=1",
+                          f"VPY={sys.executable}", "VENV=/nonexistent"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert f"{sys.executable} -m labkit.tools.lab_server --student student" in out.splitlines()
+
+
+def test_the_student_copy_is_written_once_and_the_learners_edits_are_kept(tmp_path, capsys):
+    served = lab_server.student_notebooks(tmp_path / "student")
+    assert served == tmp_path / "student" / "notebooks"
+    copy = served / "02_cuda_graphs.ipynb"
+    assert "BEGIN SOLUTION" in copy.read_text() and "NotImplementedError" in copy.read_text(), \
+        "the served notebooks are the student copy: solutions replaced by stubs"
+    assert (tmp_path / "student" / "kernels" / "exercises").is_dir()
+    copy.write_text(copy.read_text().replace("NotImplementedError", "MyAnswer"))
+    assert lab_server.student_notebooks(tmp_path / "student") == served
+    assert "MyAnswer" in copy.read_text(), "a second start must not overwrite the learner's work"
+    assert "edits are kept" in capsys.readouterr().out
+
+
+def test_student_and_root_dir_together_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        lab_server.main(["--student", "student", "--root-dir", "/tmp"])
+    assert "--student" in capsys.readouterr().err

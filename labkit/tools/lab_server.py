@@ -73,6 +73,23 @@ def lab_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def student_notebooks(folder: Path) -> Path:
+    """The student copy's notebooks under ``folder`` (what ``make student`` writes), written now
+    when ``folder`` holds none. An existing copy is the learner's work: it is served as it is,
+    never rewritten (remove the folder for a fresh one)."""
+    from labkit.tools import student
+
+    notebooks = folder / "notebooks"
+    if any(notebooks.glob("*.ipynb")):
+        print(f"labkit: serving the student copy already in {folder} (your edits are kept; "
+              f"remove {folder} for a fresh one)", flush=True)
+    else:
+        files = student.write_copy(folder)
+        print(f"labkit: wrote a student copy (solutions replaced by stubs), {len(files)} files, "
+              f"into {folder}", flush=True)
+    return notebooks
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,10 +170,16 @@ def main(argv: list[str] | None = None) -> int:
                         "or the next free one)")
     parser.add_argument("--root-dir", type=Path, default=NOTEBOOK_DIR,
                         help="folder to serve (default: %(default)s)")
+    parser.add_argument("--student", type=Path, metavar="FOLDER",
+                        help="serve the student copy in FOLDER/notebooks, writing it first if "
+                        "FOLDER has none (`make lab STUDENT=1` uses student/)")
     args = parser.parse_args(argv)
     if args.port is not None and not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    cmd = command(args.root_dir, args.port)
+    if args.student is not None and args.root_dir != NOTEBOOK_DIR:
+        parser.error("--student serves the student copy's notebooks: leave --root-dir out")
+    root_dir = student_notebooks(args.student) if args.student is not None else args.root_dir
+    cmd = command(root_dir, args.port)
     env = lab_environment()
     sys.stdout.flush()
     os.execve(cmd[0], cmd, env)
