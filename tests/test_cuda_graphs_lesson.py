@@ -326,3 +326,11 @@ def test_the_time_planner_claims_hold_on_the_recording_and_fail_when_a_round_fav
     # one round in which T grew with every row (T = bucket): the fewest-rows plan wins there
     by_rows = {b: [float(b), *v[1:]] for b, v in times.items()}
     assert not gc.planner_time_claims(trace, by_rows, recorded=rec)[1].held
+
+
+def test_the_raw_capture_claim_holds_on_the_new_batch_and_fails_on_a_stale_replay():
+    eager, at_capture = torch.randn(8, 16), torch.randn(8, 16)
+    assert gc.raw_capture_claim(eager.clone(), eager, at_capture, "cpu").held
+    assert not gc.raw_capture_claim(at_capture.clone(), eager, at_capture, "cpu").held, \
+        "a graph that still computed on the captured batch"
+    assert not gc.raw_capture_claim(eager + 0.5, eager, at_capture, "cpu").held

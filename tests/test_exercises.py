@@ -172,7 +172,7 @@ def test_returning_the_padding_rows_is_named():
         pool.graphs[bucket].replay()
         return pool.graphs[bucket].outputs.clone()
 
-    result = check("02.1", run_bucketed, device="cpu")
+    result = check("02.2", run_bucketed, device="cpu")
     assert "rows for a batch of 3" in result.message, result.message
 
 

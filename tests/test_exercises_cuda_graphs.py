@@ -1,4 +1,4 @@
-"""Exercise 02.1's check: two calls that replay the same bucket's graph catch a result that is
+"""Exercise 02.2's check: two calls that replay the same bucket's graph catch a result that is
 a view of the graph's output buffer instead of a clone."""
 from labkit.teaching.check import check
 from labkit.teaching.exercises.cuda_graphs import BUCKETS, EXERCISES
@@ -24,11 +24,11 @@ def test_some_case_replays_one_bucket_twice_back_to_back():
 
 
 def test_the_solution_with_clone_passes():   # the notebook's solution: test_exercises.py
-    assert check("02.1", run_bucketed, device="cpu").passed
+    assert check("02.2", run_bucketed, device="cpu").passed
 
 
 def test_a_solution_without_clone_fails_and_says_the_next_replay_overwrote_it():
-    result = check("02.1", lambda pool, x: run_bucketed(pool, x, clone=False), device="cpu")
+    result = check("02.2", lambda pool, x: run_bucketed(pool, x, clone=False), device="cpu")
     assert not result.passed
     assert "two calls in one bucket" in result.message, result.message
     assert "next replay overwrote" in result.message and "clone()" in result.message, result.message

@@ -43,6 +43,20 @@ def _x(s) -> str:
 
 
 # ------------------------------------------------------------------------- what a graph freezes
+def raw_capture_claim(replayed: torch.Tensor, eager: torch.Tensor, at_capture: torch.Tensor,
+                      device=None):
+    """The raw idiom worked: after ``copy_`` and ``replay()`` the captured output holds the eager
+    step's result for the new batch, not the result for the batch it was captured on."""
+    new = (replayed.float() - eager.float()).abs().max().item()
+    old = (replayed.float() - at_capture.float()).abs().max().item()
+    tol = 1e-3 * max(eager.float().abs().max().item(), 1.0)
+    return claim("Copied into the captured input and replayed{on}, the graph's output matched "
+                 "the eager step on the new batch (largest difference {new:.1e}) and no longer "
+                 "the batch it was captured on (off by {old:.2f}): it computed on the new data, "
+                 "in the tensor it wrote at capture.", new <= tol < old, on=where(device=device),
+                 new=new, old=old)
+
+
 def pitfall_claims(rebind: dict, overwrite: dict, frozen: dict, device=None) -> list:
     """The three silent pitfalls, from their results (``pitfalls.rebinding_vs_copy``, ...)."""
     on = where(device=device)

@@ -1,11 +1,17 @@
-"""Notebook 02's exercise: replay a batch through a pool of per-bucket graphs.
+"""Notebook 02's exercises: the raw capture idiom, then a pool of per-bucket graphs.
 
-The learner writes the heart of ``labkit.graphs.GraphPool.__call__``: pick the smallest bucket
-that holds the batch, copy the batch into the captured input's first rows, replay that bucket's
-graph, hand back the real rows (cloned), and run a batch larger than every bucket eagerly.
+02.1: the learner writes PyTorch's own idiom (``torch.cuda.CUDAGraph``, ``with
+torch.cuda.graph(g)``, a warm-up on a side stream, ``copy_`` into the static input, ``replay``,
+clone what is kept), through a ``cuda`` argument: ``torch.cuda`` on a GPU, labkit's CPU stand-in
+(``labkit.graphs.emulated_cuda``) elsewhere, with the same calls and the same frozen tensors.
+
+02.2: the heart of ``labkit.graphs.GraphPool.__call__``: pick the smallest bucket that holds the
+batch, copy the batch into the captured input's first rows, replay that bucket's graph, hand
+back the real rows (cloned), and run a batch larger than every bucket eagerly.
 """
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -59,6 +65,142 @@ class RowStep(torch.nn.Module):
 
     def forward(self, x):
         return torch.tanh(x @ self.weight) * 2
+
+
+class LazyStep(RowStep):
+    """A step that sets its scale on its first call from its weights, read back to the host
+    (``.item()``): that first call cannot be captured, so it must run before the capture."""
+
+    def __init__(self, width: int, generator: torch.Generator):
+        super().__init__(width, generator)
+        self.scale: float | None = None
+
+    def forward(self, x):
+        if self.scale is None:
+            self.scale = 1.0 / float(self.weight.abs().max().item())
+        return torch.tanh(x @ self.weight * self.scale) * 2
+
+
+# ------------------------------------------------------------ 02.1: capture once, replay many
+class WatchedCuda:
+    """``cuda`` (``torch.cuda`` or the CPU stand-in) whose ``CUDAGraph`` counts captures and
+    replays; every other name is ``cuda``'s own."""
+
+    def __init__(self, cuda):
+        self._cuda, self.captures, self.replays = cuda, 0, 0
+        watched = self
+
+        class CUDAGraph(cuda.CUDAGraph):
+            def capture_begin(self, *args, **kwargs):
+                watched.captures += 1
+                return super().capture_begin(*args, **kwargs)
+
+            def replay(self):
+                watched.replays += 1
+                return super().replay()
+
+        self.CUDAGraph = CUDAGraph
+
+    def __getattr__(self, name):
+        return getattr(self._cuda, name)
+
+
+def _cuda_for(device: torch.device):
+    from labkit.graphs import emulated_cuda
+
+    return torch.cuda if device.type == "cuda" else emulated_cuda
+
+
+def _raw_cases(seed: int, device) -> list[Case]:
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    width, rows = rng.choice([16, 24, 32]), rng.choice([3, 5, 8])
+
+    def batches(n, rows=rows):
+        return [torch.randn(rows, width, generator=g).to(device) for _ in range(n)]
+
+    return [Case("one row, two batches", (RowStep(width, g).to(device), *batches(1, 1),
+                                          batches(2, 1)))] + [
+            Case(label, (step.to(device), batches(1)[0], batches(n)))
+            for label, step, n in (
+                ("one batch", RowStep(width, g), 1),
+                ("three batches in a row: each result must survive the next replays",
+                 RowStep(width, g), 3),
+                ("a step that sets itself up on its first call (a host read-back): warm it up "
+                 "before capturing", LazyStep(width, g), 2))]
+
+
+def _capture_error(error: BaseException) -> str | None:
+    while error is not None:
+        if "stream is capturing" in str(error):
+            return str(error).strip().splitlines()[0]
+        error = error.__context__
+    return None
+
+
+def _raw_run(fn, case: Case) -> dict:
+    step, example, batches = case.args
+    cuda = WatchedCuda(_cuda_for(example.device))
+    before = example.clone()
+    try:
+        outs = fn(cuda, step, example, batches)
+    except Exception as error:  # a capture that failed: said by _raw_diagnose, not as a crash
+        if (why := _capture_error(error)) is None:
+            raise
+        return {"outputs": None, "capture error": why}
+    return {"outputs": outs, "graphs captured": cuda.captures, "replays": cuda.replays,
+            "example unchanged": bool(torch.equal(example, before))}
+
+
+def _raw_expected(case: Case) -> dict:
+    step, _, batches = case.args
+    reference = copy.deepcopy(step)  # a fresh copy: a lazy step stays unset for the learner
+    with torch.no_grad():
+        outs = [reference(x) for x in batches]
+    return {"outputs": outs, "graphs captured": 1, "replays": len(batches),
+            "example unchanged": True}
+
+
+def _raw_diagnose(case: Case, got: dict, expected: dict) -> str | None:
+    step, example, batches = case.args
+    if got.get("capture error"):
+        return (f"The capture failed ({got['capture error']}): the step reads a value back to "
+                "the host on its first call, which no capture allows. Run it on the static input "
+                "once or twice before capturing (on a side stream: `side = cuda.Stream()`, "
+                "`side.wait_stream(cuda.current_stream())`, `with cuda.stream(side): ...`), so "
+                "that first call happens outside the graph.")
+    if not got.get("graphs captured") or not got.get("replays"):
+        return ("No graph was captured and replayed: that is the step run eagerly. Capture it once "
+                "(`g = cuda.CUDAGraph()`, `with cuda.graph(g): static_out = fn(static_in)`), then "
+                "`g.replay()` for every batch.")
+    if got["graphs captured"] > 1:
+        return (f"You captured {got['graphs captured']} graphs for one shape: capture once and "
+                "replay it for every batch (a capture costs far more than a replay).")
+    if not got.get("example unchanged"):
+        return ("`example` changed: you wrote the batches into the caller's tensor. Capture on a "
+                "copy of it (`static_in = example.clone()`) and copy_ each batch into that.")
+    outs, want = got.get("outputs") or [], expected["outputs"]
+    if len(outs) == len(want) > 1 and all(isinstance(o, torch.Tensor) and o.shape == want[-1].shape
+                                          and torch.allclose(o, want[-1], atol=1e-4)
+                                          for o in outs):
+        return ("Every result reads the last batch's output: each is the graph's output buffer, "
+                "which every replay overwrites. Return `static_out.clone()` after each replay.")
+    with torch.no_grad():
+        captured = copy.deepcopy(step)(example)
+    if outs and all(isinstance(o, torch.Tensor) and o.shape == captured.shape
+                    and torch.allclose(o, captured, atol=1e-4) for o in outs):
+        return ("The graph computed on the tensor it was captured with, not on your batches: "
+                "`static_in.copy_(x)` before each replay. Rebinding the name (`static_in = x`) "
+                "hands the graph nothing; it reads the captured address.")
+    return None
+
+
+def _raw_note(device) -> str:
+    if device.type == "cuda":
+        return "Checked with torch.cuda: real CUDA Graphs, captured on this GPU."
+    return ("No GPU here: `cuda` is labkit.graphs.emulated_cuda, which records the step's ops at "
+            "capture and replays them into the same tensors, so it freezes what a CUDA Graph "
+            "freezes; on a GPU the same function gets torch.cuda.")
 
 
 BUCKETS = (1, 2, 4, 8)
@@ -149,8 +291,29 @@ def _note(device) -> str:
             "tensors and output buffers a CUDA Graph does.")
 
 
-EXERCISES = [Exercise(
-    id="02.1", title="replay a batch through per-bucket graphs", entry="run_bucketed",
+RAW = Exercise(
+    id="02.1", title="capture once, replay many", entry="capture_and_replay",
+    task="capture fn on a copy of example (after a warm-up), then for each batch copy it in, "
+         "replay, and keep a clone of the output",
+    cases=_raw_cases, run=_raw_run, expected=_raw_expected, diagnose=_raw_diagnose,
+    note=_raw_note, atol=1e-4, rtol=1e-4,
+    hints=(
+        "The static input is yours, not the caller's: `static_in = example.clone()`.",
+        "Warm up first, on a side stream: `side = cuda.Stream()`; "
+        "`side.wait_stream(cuda.current_stream())`; `with cuda.stream(side): fn(static_in)`; "
+        "then `cuda.current_stream().wait_stream(side)`.",
+        "`g = cuda.CUDAGraph()`; `with cuda.graph(g): static_out = fn(static_in)`. Then per "
+        "batch: `static_in.copy_(x)`, `g.replay()`, keep `static_out.clone()`.",
+    ),
+    seen="One capture, one replay per batch: the graph reads static_in's address and writes "
+         "static_out's, so a batch reaches it only through copy_ and a result survives the next "
+         "replay only as a clone. The warm-up runs the step's first-call set-up (here a host "
+         "read-back, elsewhere cuBLAS handles or autotuning) outside the capture. This is what "
+         "`labkit.graphs.capture_graph` does, and what 02.2's pool does once per bucket.",
+)
+
+EXERCISES = [RAW, Exercise(
+    id="02.2", title="replay a batch through per-bucket graphs", entry="run_bucketed",
     task="return pool.fn(x), replayed from the smallest graph that holds the batch (eagerly when "
          "none does)",
     cases=_cases, run=_run, expected=_expected, diagnose=_diagnose, note=_note,
