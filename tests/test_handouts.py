@@ -191,3 +191,18 @@ def test_reset_removes_checkpoints_that_hold_the_last_groups_outputs(tmp_path):
     (tmp_path / ".ipynb_checkpoints" / "00_tour-checkpoint.ipynb").write_text("{}")
     handouts.strip_folder(tmp_path)
     assert not (tmp_path / ".ipynb_checkpoints").exists()
+
+
+def test_a_page_shows_the_parameters_papermill_ran_with_once():
+    from labkit.tools.handouts import static_notebook
+
+    nb = {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "outputs": [],
+                     "source": "QUICK = False"},
+                    {"cell_type": "code", "metadata": {"tags": ["injected-parameters"]},
+                     "outputs": [], "source": "QUICK = True"},
+                    {"cell_type": "code", "metadata": {}, "outputs": [], "source": "x = 1"}],
+          "metadata": {}}
+    static, _ = static_notebook(nb)
+    assert [c["source"] for c in static["cells"]] == ["QUICK = True", "x = 1"]
+    alone = {"cells": nb["cells"][:1] + nb["cells"][2:], "metadata": {}}
+    assert len(static_notebook(alone)[0]["cells"]) == 2, "no injected cell: the defaults stay"

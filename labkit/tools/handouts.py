@@ -153,6 +153,9 @@ def static_notebook(nb: dict) -> tuple[dict, int]:
     Returns (notebook, number of figures)."""
     nb = copy.deepcopy(nb)
     state = nb.get("metadata", {}).pop("widgets", {}).get(WIDGET_STATE_MIME, {}).get("state", {})
+    tags = [c.get("metadata", {}).get("tags", []) for c in nb.get("cells", [])]
+    if any("injected-parameters" in t for t in tags):  # papermill's values replace the defaults
+        nb["cells"] = [c for c, t in zip(nb["cells"], tags) if "parameters" not in t]
     figures = 0
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "code":
