@@ -1,21 +1,28 @@
-"""Notebook 06's claims (labkit.lessons.attention_backends.claims): each holds on the committed H200
-recording (or on a synthetic input shaped like the real case) and fails when its input is
-perturbed: two timings swapped, a bound exceeded, a range widened."""
+"""Notebook 06's claims (labkit.lessons.attention_backends.claims_io, claims_selection,
+claims_speed, claims_fp8): each holds on the committed H200 recording (or on a synthetic input
+shaped like the real case) and fails when its input is perturbed: two timings swapped, a bound
+exceeded, a range widened. The appendix's claims are in test_attention_deep_dives.py."""
 import copy
 
 import pandas as pd
 import pytest
 
 from labkit.attention import AttentionSpec, example_specs
-from labkit.lessons.attention_backends import claims as told
 from labkit.lessons.attention_backends import roofline as rl
-from labkit.lessons.attention_backends.compare import (
-    AttentionWorkload,
-    attention_io,
-    fp8_cache_error,
-    mla_cache_bytes,
-    tile_io,
+from labkit.lessons.attention_backends.claims_fp8 import fp8_claims, same_decode
+from labkit.lessons.attention_backends.claims_io import causal_memory_claims, tiling_claims
+from labkit.lessons.attention_backends.claims_selection import (
+    correctness_claim,
+    mla_claims,
+    selection_claims,
 )
+from labkit.lessons.attention_backends.claims_speed import (
+    launch_claims,
+    long_context_claims,
+    roofline_claims,
+    targets_claim,
+)
+from labkit.lessons.attention_backends.compare import attention_io, mla_cache_bytes, tile_io
 from labkit.tools import recorded
 
 
@@ -25,8 +32,6 @@ def data():
 
 
 MATMUL = 802.0  # the tour's recorded matmul ceiling on the same H200, TFLOP/s
-TILE = tile_io(128, 64, 128)["flops_per_byte"]
-IO = attention_io(4096, 4096, 32, 128)["tiled_flops_per_byte"]
 
 
 def held(made):
@@ -55,10 +60,10 @@ def test_tiling_claims_hold_on_the_tile_arithmetic_and_fail_when_tiles_stop_payi
     tiles = pd.DataFrame([{"BLOCK_M": m, "BLOCK_N": n} | tile_io(m, n, 128)
                           for m, n in [(64, 64), (128, 64)]])
     io = attention_io(4096, 4096, 32, 128)
-    assert held(told.tiling_claims(tiles, io, 4096)) == [True, True]
+    assert held(tiling_claims(tiles, io, 4096)) == [True, True]
     flat = tiles.assign(flops_per_byte=[128.0, 64.0])  # the larger tile no longer pays
     worse = {**io, "tiled_bytes": io["naive_bytes"] * 2}
-    assert held(told.tiling_claims(flat, worse, 4096)) == [False, False]
+    assert held(tiling_claims(flat, worse, 4096)) == [False, False]
 
 
 LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -66,7 +71,7 @@ LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 
 def test_causal_memory_claims_hold_on_the_kernels_tile_counts():
     ios = {n: attention_io(n, n, 32, 128) for n in LENGTHS}
-    assert held(told.causal_memory_claims(ios)) == [True, True]
+    assert held(causal_memory_claims(ios)) == [True, True]
 
 
 def test_the_causal_claim_fails_when_the_loop_runs_past_the_diagonal():
@@ -74,13 +79,13 @@ def test_the_causal_claim_fails_when_the_loop_runs_past_the_diagonal():
     unskipped = {n: {**io, "causal_tiled_bytes": io["tiled_bytes"],
                      "causal_flops_computed": io["tiled_flops_computed"]}
                  for n, io in ios.items()}
-    assert held(told.causal_memory_claims(unskipped)) == [False, True]
+    assert held(causal_memory_claims(unskipped)) == [False, True]
 
 
 def test_the_memory_claim_fails_when_the_tiled_kernel_holds_the_scores():
     ios = {n: attention_io(n, n, 32, 128) for n in LENGTHS}
     holding = {n: {**io, "tiled_memory_bytes": io["naive_memory_bytes"]} for n, io in ios.items()}
-    assert held(told.causal_memory_claims(holding)) == [True, False]
+    assert held(causal_memory_claims(holding)) == [True, False]
 
 
 def test_causal_tiles_follow_the_diagonal():
@@ -95,23 +100,9 @@ def test_mla_claim_holds_on_the_example_spec_and_fails_on_per_head_kv():
     cache = mla_cache_bytes(128, 512, 64, qk_nope=128, v_head=128)
     assert cache["mla_bytes"] == 576 * 2 and cache["per_head_bytes"] == 128 * (192 + 128) * 2
     spec = example_specs()["MLA (DeepSeek-V3)"]
-    assert held(told.mla_claims(spec, cache)) == [True]
+    assert held(mla_claims(spec, cache)) == [True]
     sixteen_heads = AttentionSpec(128, 16, 576, mla=True)
-    assert held(told.mla_claims(sixteen_heads, cache)) == [False]
-
-
-def test_fp8_accuracy_claims_hold_on_the_reference_path_and_fail_when_fp8_is_not_worse():
-    w = AttentionWorkload((1, 1, 1, 4), (512, 200, 33, 17), 8, 2, 128)
-    table = fp8_cache_error(w, "cpu", seeds=range(3))
-    assert list(table.path.unique()) == ["reference"], "the kernel runs fp8 on a GPU only"
-    assert held(told.fp8_accuracy_claims(table, "cpu")) == [True]
-    assert (table.fp8_vs_float64 > table.bf16_vs_float64).all()
-    as_bf16 = table.assign(fp8_vs_float64=table.bf16_vs_float64 * 0.9)
-    assert held(told.fp8_accuracy_claims(as_bf16, "cpu")) == [False], "fp8 no worse than bf16"
-    assert held(told.fp8_accuracy_claims(table, "cpu", bound=1e-3)) == [False], "over the bound"
-    one_bad_seed = table.copy()
-    one_bad_seed.loc[0, "fp8_vs_float64"] = told.FP8_ERROR_BOUND * 1.5
-    assert held(told.fp8_accuracy_claims(one_bad_seed, "cpu")) == [False], "every seed counts"
+    assert held(mla_claims(sixteen_heads, cache)) == [False]
 
 
 def test_selection_claims_hold_on_the_notebooks_decisions_and_fail_on_other_ones():
@@ -119,89 +110,69 @@ def test_selection_claims_hold_on_the_notebooks_decisions_and_fail_on_other_ones
               "head_dim 96 (Phi-2-like)": ("sdpa", {})}
     refused = {"MLA (DeepSeek-V3)": {b: [f"{b}: MLA needs a latent cache"]
                                      for b in ("triton", "flex", "sdpa", "reference")}}
-    assert all(held(told.selection_claims(chosen, refused)))
+    assert all(held(selection_claims(chosen, refused)))
     wrong = {"GQA + fp8 KV cache on an A100": ("triton", {}),
              "head_dim 96 (Phi-2-like)": ("triton", {})}
     unexplained = {"MLA (DeepSeek-V3)": {"triton": ["head_dim too large"]}}
-    assert held(told.selection_claims(wrong, unexplained)) == [False, False, False]
+    assert held(selection_claims(wrong, unexplained)) == [False, False, False]
 
 
 def test_correctness_claim_fails_when_one_backend_is_off_the_reference():
     ok = pd.DataFrame({"backend": ["triton", "sdpa"], "compatible": [True, True],
                        "relative_error": [1e-6, 2e-6], "passed": [True, True]})
-    assert held(told.correctness_claim({"a": ok}, "cpu")) == [True]
+    assert held(correctness_claim({"a": ok}, "cpu")) == [True]
     off = ok.assign(passed=[True, False], relative_error=[1e-6, 0.3])
-    assert held(told.correctness_claim({"a": ok, "b": off}, "cpu")) == [False]
-
-
-def _loops(fp8_per_key=41.6, fp8_byte_loads=128):
-    return {"bf16": {"instructions_per_key": 40.0, "kv_bytes_per_key": 4096,
-                     "opcodes": {"HMMA.16816.F32.BF16": 64, "LDSM.16.MT88.4": 32}},
-            "fp8_e4m3": {"instructions_per_key": fp8_per_key, "kv_bytes_per_key": 2048,
-                         "opcodes": {"HMMA.16816.F32": 64, "LDS.U8": fp8_byte_loads,
-                                     "F2FP.F16.E4M3.UNPACK_B": 128}}}
-
-
-def test_sass_claims_fail_when_fp8_costs_twice_per_key_or_transposes_without_byte_loads():
-    assert held(told.sass_claims(_loops())) == [True, True]
-    assert held(told.sass_claims(_loops(fp8_per_key=80.0, fp8_byte_loads=0))) == [False, False]
+    assert held(correctness_claim({"a": ok, "b": off}, "cpu")) == [False]
 
 
 # -------------------------------------------------------------------- the recorded GPU run
 def test_roofline_claims_hold_on_the_recording(data):
-    assert all(held(told.roofline_claims(data, MATMUL, TILE, IO)))
-
-
-def test_the_l2_claim_fails_when_no_prefill_peer_beats_the_no_reuse_cap(data):
-    for result in data["prefill"].values():  # every peer a third slower: all under the HBM
-        slower(result, 1.5)                    # cap of the tile model
-    l2, _, decode = told.roofline_claims(data, MATMUL, TILE, IO)
-    assert not l2.held and decode.held
+    assert all(held(roofline_claims(data, MATMUL)))
 
 
 def test_the_placement_claims_fail_above_the_roof_and_far_off_the_copy_rate(data):
     slower(data["prefill"]["sdpa cudnn"], 0.5)  # 1,200 TFLOP/s: above an 802 TFLOP/s ceiling
     slower(data["decode"]["auto"], 3)  # a third of copy: not on the sloped roof
-    _, under_roof, decode = told.roofline_claims(data, MATMUL, TILE, IO)
+    under_roof, decode = roofline_claims(data, MATMUL)
     assert not under_roof.held and not decode.held
 
 
 def test_long_context_claims_hold_and_fail_with_batches_or_modes_swapped(data):
-    assert all(held(told.long_context_claims(data)))
+    assert all(held(long_context_claims(data)))
     batches, modes = copy.deepcopy(data), copy.deepcopy(data)
     lc = batches["long_context"]
     lc["B1 split (auto)"], lc["B4 split (auto)"] = lc["B4 split (auto)"], lc["B1 split (auto)"]
-    assert held(told.long_context_claims(batches))[0] is False
+    assert held(long_context_claims(batches))[0] is False
     lc = modes["long_context"]
     lc["B1 split (auto)"], lc["B1 no split"] = lc["B1 no split"], lc["B1 split (auto)"]
-    assert held(told.long_context_claims(modes))[1] is False
+    assert held(long_context_claims(modes))[1] is False
 
 
 def test_long_context_ordering_needs_the_whole_range_apart(data):
     lc = data["long_context"]
     b1, b4 = lc["B1 split (auto)"]["us"], lc["B4 split (auto)"]["us"]
     lc["B1 split (auto)"] = with_rounds(lc["B1 split (auto)"], [b1, b1, b4 / 4.2])  # one round
-    first, _ = told.long_context_claims(data)  # where batch 1 read faster per byte than batch 4
+    first, _ = long_context_claims(data)  # where batch 1 read faster per byte than batch 4
     assert not first.held
 
 
 def test_launch_claims_hold_and_fail_when_python_is_slower_at_b64_or_free_at_b1(data):
-    assert all(held(told.launch_claims(data)))
+    assert all(held(launch_claims(data)))
     auto = data["decode"]["auto"]["us"]
     data["decode"]["auto, launched from Python"] = with_rounds(
         data["decode"]["auto, launched from Python"], [auto * 1.02, auto * 1.03, auto * 1.2])
     data["decode"]["auto"] = with_rounds(data["decode"]["auto"], [auto, auto, auto])
     lc = data["long_context"]
     lc["B1 split, launched from Python"] = dict(lc["B1 split (auto)"])
-    assert held(told.launch_claims(data)) == [False, False]
+    assert held(launch_claims(data)) == [False, False]
 
 
 def test_fp8_claim_holds_and_fails_when_fp8_is_not_faster(data):
-    speed, same = told.fp8_claims(data)  # fp8 timed in the decode section's own rounds
+    speed, same = fp8_claims(data)  # fp8 timed in the decode section's own rounds
     assert speed.held and same.held and "one measurement" in same.text
     d = data["decode"]
     d["auto"], d["fp8_e4m3"] = d["fp8_e4m3"], d["auto"]
-    assert not told.fp8_claims(data)[0].held
+    assert not fp8_claims(data)[0].held
 
 
 def _one_set_of_rounds(data):
@@ -214,7 +185,7 @@ def _one_set_of_rounds(data):
 
 
 def test_the_bf16_decode_is_one_measurement_in_the_benchmarks_format(data):
-    made = told.fp8_claims(_one_set_of_rounds(data))
+    made = fp8_claims(_one_set_of_rounds(data))
     assert len(made) == 2 and all(held(made))
     assert "one measurement" in made[1].text
 
@@ -225,15 +196,15 @@ def test_two_bf16_decodes_must_agree_within_their_ranges(data):
         data["fp8"][name] = d.pop(name)
     data["fp8"]["bf16"] = with_rounds(d["auto"], [257.0, 257.4, 258.0])
     d["auto"] = with_rounds(d["auto"], [288.8, 289.5, 290.1])  # the fp8 section read 257
-    assert not told.same_decode(data)("", None).held
+    assert not same_decode(data)("", None).held
     d["auto"] = with_rounds(d["auto"], [257.0, 258.0, 259.0])
-    assert told.same_decode(data)("", None).held
+    assert same_decode(data)("", None).held
 
 
 def test_targets_claim_holds_on_the_recording_and_fails_when_one_is_missed(data):
-    assert all(held(told.targets_claim(rl.targets(data))))
+    assert all(held(targets_claim(rl.targets(data))))
     slower(data["decode"]["auto"], 2)  # half the copy rate: decode misses its target
-    (made,) = told.targets_claim(rl.targets(data))
+    (made,) = targets_claim(rl.targets(data))
     assert not made.held and "decode: ours, fraction of copy bandwidth" in made.text
 
 
@@ -244,38 +215,5 @@ def test_a_straddled_target_is_said_to_be_within_noise_and_not_called_met(data):
     score = rl.targets(data).set_index("target")
     row = score.loc["long context B1, split: fraction of copy bandwidth"]
     assert row.verdict == "within noise" and not row.met
-    (made,) = told.targets_claim(score.reset_index())
+    (made,) = targets_claim(score.reset_index())
     assert made.held and "within noise" in made.text and "long context B1" in made.text
-
-
-# ------------------------------------------------------- the registry against the benchmark
-def _registry(triton_gpu_us: float, wall_us: float = 700.0) -> pd.DataFrame:
-    return pd.DataFrame([
-        {"workload": "decode B64 ctx 4096", "backend": "triton", "us": wall_us,
-         "us_low": wall_us * 0.98, "us_high": wall_us * 1.02, "rounds": 3,
-         "gpu_us": triton_gpu_us, "kernels": 3, "error": None},
-        {"workload": "decode B64 ctx 4096", "backend": "flex", "us": None, "us_low": None,
-         "us_high": None, "rounds": None, "gpu_us": None, "kernels": None,
-         "error": "NoValidChoicesError: no choices to select"}])
-
-
-def test_registry_claims_split_the_wall_time_and_fail_when_the_split_is_inconsistent(data):
-    bare = data["decode"]["auto"]["us"]
-    (made,) = told.registry_claims(_registry(bare * 1.02), data)
-    assert made.held and "host time" in made.text.lower()
-    (faster,) = told.registry_claims(_registry(bare * 0.5), data)  # less GPU work than the kernel
-    assert not faster.held
-    (over,) = told.registry_claims(_registry(bare * 1.02, wall_us=bare * 0.5), data)
-    assert not over.held, "the GPU time cannot exceed the wall time"
-
-
-def test_registry_claims_are_not_made_without_a_registry_section(data, capsys):
-    assert told.registry_claims(None, data) == []
-    assert "re-record" in capsys.readouterr().out
-
-
-def test_a_backend_that_raised_is_listed_as_a_limit(data):
-    data["decode"]["flex"] = {"error": "NoValidChoicesError: no choices to select"}
-    limits = told.registry_limits(_registry(300.0), data)
-    assert list(limits.backend) == ["flex", "flex"]
-    assert limits.error.str.contains("NoValidChoicesError").all()

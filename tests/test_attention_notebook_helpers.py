@@ -1,11 +1,25 @@
-"""labkit.lessons.attention_backends.roofline: the arithmetic behind notebook 06's roofline and target table."""
+"""labkit.lessons.attention_backends.roofline, figures and the tables of compare and sass: the
+arithmetic behind notebook 06's roofline and target table, and tables whose counts print as
+integers."""
+import dataclasses
 import inspect
 import math
 import sys
 
+import pandas as pd
 import pytest
 
+from labkit.attention import BACKENDS
+from labkit.lessons.attention_backends import figures
 from labkit.lessons.attention_backends import roofline as rl
+from labkit.lessons.attention_backends import sass
+from labkit.lessons.attention_backends.compare import (
+    AttentionWorkload,
+    registry_table,
+    tile_table,
+    time_registry,
+)
+from labkit.tools import recorded
 from labkit.tools.record import ROOT
 
 
@@ -95,6 +109,68 @@ def test_source_excerpt_numbers_lines_as_in_the_file():
 
 
 def test_a_failed_benchmark_section_draws_a_note_instead_of_raising():
-    fig = rl.fp8_figure({"fp8": {"error": "RuntimeError: no fp8 on this GPU"}})
+    fig = figures.fp8_figure({"fp8": {"error": "RuntimeError: no fp8 on this GPU"}})
     assert "not measured" in fig.layout.title.text
     assert "no fp8 on this GPU" in fig.layout.annotations[0].text
+
+
+# ------------------------------------------------------ counts are integers, not 150.0
+def test_the_tile_table_counts_bytes_and_flops_as_integers():
+    tiles = tile_table([(16, 16), (128, 64)], head_dim=128, tried={(16, 16)})
+    counts = ["BLOCK_M", "BLOCK_N", "resident_bytes", "streamed_bytes_per_tile", "flops_per_tile"]
+    assert all(pd.api.types.is_integer_dtype(tiles[c]) for c in counts), tiles.dtypes
+    assert tiles.streamed_bytes_per_tile.tolist() == [2 * 16 * 128 * 2, 2 * 64 * 128 * 2]
+    assert tiles["tried here"].tolist() == [True, False]
+
+
+def test_a_backend_that_raised_leaves_the_registry_counts_integers():
+    rows = [{"workload": "w", "backend": "triton", "us": 1.0, "rounds": 3, "kernels": 21},
+            {"workload": "w", "backend": "flex", "error": "NoValidChoicesError"}]
+    table = registry_table(rows)
+    for column in ("rounds", "kernels"):
+        assert str(table[column].dtype) == "Int64", table.dtypes
+    assert table.kernels.iloc[0] == 21 and pd.isna(table.kernels.iloc[1])
+    assert "21.0" not in table.to_string()
+
+
+def test_the_recorded_registry_reads_back_with_integer_counts():
+    columns = recorded.load("attention_backends", "kernels").data["registry"]
+    with_a_gap = {k: list(v) for k, v in columns.items()}
+    with_a_gap["kernels"][0] = None  # a backend with no GPU lane: JSON null
+    table = registry_table(with_a_gap)
+    assert str(table.kernels.dtype) == "Int64" and str(table.rounds.dtype) == "Int64"
+
+
+def test_the_registry_timed_here_keeps_integer_counts_beside_a_backend_that_raised(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setitem(BACKENDS, "sdpa", dataclasses.replace(BACKENDS["sdpa"], flash=broken))
+    w = AttentionWorkload((1, 2), (4, 5), 2, 1, 16, paged=False, name="tiny")
+    table = time_registry(w, "cpu", rounds=3, repeats=1, warmup=0, names=("sdpa", "reference"))
+    assert table.backend.tolist() == ["reference", "sdpa"] and "RuntimeError" in table.error[1]
+    assert str(table.rounds.dtype) == "Int64" and table.rounds.tolist()[0] == 3
+    assert str(table.kernels.dtype) == "Int64" and table.kernels.isna().all(), "no GPU lane"
+    both = registry_table(pd.concat([table, table], ignore_index=True))
+    assert str(both.rounds.dtype) == "Int64"
+
+
+def test_the_block_sweep_table_is_keyed_by_integer_block_sizes_and_contexts():
+    data = recorded.load("attention_backends", "kernels").data
+    table = rl.block_sweep_table(data)
+    assert pd.api.types.is_integer_dtype(table.index) and \
+        pd.api.types.is_integer_dtype(table.columns)
+    assert table.index.tolist() == sorted(table.index.tolist())
+
+
+def test_the_loop_table_counts_instructions_as_integers():
+    loops = {c: {"num_warps": 4, "block_n": 64, "registers": 127, "instructions_per_warp": 615,
+                 "instructions_per_key": 38.4, "kv_bytes_per_key": 512,
+                 "opcodes": {"HMMA.16816.F32": 32, "LDS.U8": 128 if c == "fp8_e4m3" else 0}}
+             for c in ("bf16", "fp8_e4m3")}
+    del loops["bf16"]["opcodes"]["LDS.U8"]
+    table = sass.loop_table(loops)
+    counts = table.drop(index=["warps x BLOCK_N keys", "instructions per key (all warps)",
+                               "instructions per KB of KV"])
+    assert all(type(v) is int for v in counts.to_numpy().ravel()), counts
+    assert table.loc["byte loads from shared memory", "bf16"] == 0

@@ -4,7 +4,8 @@ and placed on a roofline by the bytes it must move and the FLOPs it must do.
 An ``AttentionWorkload`` is a batch of sequences: ``lens_q`` new tokens over ``seq_lens`` keys
 each, run through the paged entry point (``paged=True``, a cache of ``block_size`` blocks) or
 the packed one (contiguous K/V). ``check_backends`` and ``time_registry`` return pandas tables;
-``tile_io`` and ``attention_io`` are the arithmetic behind FlashAttention's IO argument.
+``tile_io`` and ``attention_io`` are the arithmetic behind FlashAttention's IO argument;
+``mla_cache_bytes`` what a latent cache saves.
 """
 from __future__ import annotations
 
@@ -169,11 +170,22 @@ def time_registry(w: AttentionWorkload, device: str = "cpu", *, rounds: int = 3,
                          "kernels": kernels, "tflops": w.flops() / seconds / 1e12,
                          "gbps": w.bytes_moved() / seconds / 1e9,
                          "flops_per_byte": w.flops() / w.bytes_moved(), "error": None})
-    return pd.DataFrame(rows + failed, columns=REGISTRY_COLUMNS)
+    return registry_table(rows + failed)
 
 
 REGISTRY_COLUMNS = ["workload", "backend", "us", "us_low", "us_high", "rounds", "gpu_us",
                     "kernels", "tflops", "gbps", "flops_per_byte", "error"]
+REGISTRY_COUNTS = ["rounds", "kernels"]
+
+
+def registry_table(rows) -> pd.DataFrame:
+    """``time_registry``'s table from its rows (a list of dicts, a recording's columns, or a
+    table): the counts as integers (pandas ``Int64``), missing where a backend raised or
+    where there is no GPU lane. Without the cast one row with no count turns a column of kernel
+    counts into floats (``21.0``)."""
+    table = pd.DataFrame(rows)
+    table = table.reindex(columns=REGISTRY_COLUMNS)
+    return table.astype({c: "Int64" for c in REGISTRY_COUNTS})
 
 
 def _gpu_time(call, device: str) -> tuple[float | None, int | None]:
@@ -193,6 +205,15 @@ def tile_io(block_m: int, block_n: int, head_dim: int, elem_bytes: int = 2) -> d
     flops = 4 * block_m * block_n * head_dim  # S = Q K^T and O += P V
     return {"resident_bytes": resident, "streamed_bytes_per_tile": streamed,
             "flops_per_tile": flops, "flops_per_byte": flops / streamed}
+
+
+def tile_table(tiles: list[tuple[int, int]], head_dim: int, tried=frozenset()) -> pd.DataFrame:
+    """``tile_io`` for each ``(BLOCK_M, BLOCK_N)`` of ``tiles``, one row each; ``tried``: the tiles
+    this machine's autotuner list holds. The sizes and byte and FLOP counts are integers."""
+    rows = [{"BLOCK_M": m, "BLOCK_N": n, "tried here": (m, n) in tried} | tile_io(m, n, head_dim)
+            for m, n in tiles]
+    counts = ["BLOCK_M", "BLOCK_N", "resident_bytes", "streamed_bytes_per_tile", "flops_per_tile"]
+    return pd.DataFrame(rows).astype({c: "int64" for c in counts})
 
 
 def attention_io(len_q: int, len_k: int, num_heads: int, head_dim: int, block_m: int = 128,
@@ -239,58 +260,3 @@ def mla_cache_bytes(num_q_heads: int, latent: int, rope: int, qk_nope: int, v_he
     mla = (latent + rope) * elem_bytes
     per_head = num_q_heads * (qk_nope + rope + v_head) * elem_bytes
     return {"mla_bytes": mla, "per_head_bytes": per_head, "ratio": per_head / mla}
-
-
-def fp8_cache_error(w: AttentionWorkload, device: str = "cpu", seeds=range(5)) -> pd.DataFrame:
-    """What storing the cache in fp8 costs in accuracy, one row per seed and path.
-
-    K and V are drawn in float32 (the "true" values) and stored three ways: as they are, in
-    bf16, and in fp8 e4m3 with a scale per KV head (what ``AttentionWorkload.make`` does). The
-    queries are bf16 throughout, so only the cache's storage differs. ``path="reference"``
-    attends in float64 (``paged_attention_ref``) over each stored cache: the storage's error
-    alone, on any machine. ``path="triton"`` runs labkit's kernel on the bf16 and fp8 caches
-    on a GPU that ``reasons_against`` lets it serve (in Triton's interpreter the kernel's bf16
-    and fp8 arithmetic is not the GPU's, so a CPU run measures the reference path only). Errors are relative (``|out - ref| / |ref|``, Frobenius norms) against the
-    float64 attention over the float32 cache, and fp8 against bf16 on the same path."""
-    rows = []
-    for seed in seeds:
-        g = torch.Generator().manual_seed(seed)
-        cu_q = torch.tensor([0, *accumulate(w.lens_q)], dtype=torch.int32)
-        q = torch.randn(sum(w.lens_q), w.num_q_heads, w.head_dim, generator=g).bfloat16()
-        width = max(1, max(math.ceil(n / w.block_size) for n in w.seq_lens))
-        num_blocks = len(w.seq_lens) * width
-        table = torch.randperm(num_blocks, generator=g).reshape(len(w.seq_lens), width).int()
-        shape = (num_blocks, w.block_size, w.num_kv_heads, w.head_dim)
-        k, v = (torch.randn(shape, generator=g) for _ in range(2))
-        scales = [c.abs().amax((0, 1, 3)) / 448.0 for c in (k, v)]  # e4m3's largest is 448
-        fp8 = [(c / s[:, None]).to(FP8) for c, s in zip((k, v), scales)]
-        lens = torch.tensor(w.seq_lens, dtype=torch.int32)
-        kw = {"causal": w.causal, "window": w.window}
-        exact = paged_attention_ref(q, k, v, table, cu_q, lens, **kw)
-        caches = {"bf16": ((k.bfloat16(), v.bfloat16()), {}),
-                  "fp8_e4m3": (tuple(fp8), {"k_scale": scales[0], "v_scale": scales[1]})}
-        paths = {"reference": None}
-        spec = AttentionSpec(w.num_q_heads, w.num_kv_heads, w.head_dim, torch.bfloat16,
-                             kv_cache_dtype="fp8_e4m3", kv_scale="per_kv_head",
-                             block_size=w.block_size, device=device,
-                             compute_capability=(torch.cuda.get_device_capability()
-                                                 if device == "cuda" else None))
-        if device == "cuda" and not reasons_against(BACKENDS["triton"], spec):
-            paths["triton"] = BACKENDS["triton"]
-        for path, backend in paths.items():
-            out = {}
-            for cache, ((kc, vc), scale) in caches.items():
-                if backend is None:
-                    out[cache] = paged_attention_ref(q, kc, vc, table, cu_q, lens, **kw, **scale)
-                else:
-                    args = (q, kc, vc, table, cu_q, lens)
-                    out[cache] = backend.paged(*(a.to(device) for a in args), **kw, **{
-                        n: t.to(device) for n, t in scale.items()}).double().cpu()
-
-            def rel(a, b):
-                return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            rows.append({"seed": seed, "path": path,
-                         "bf16_vs_float64": rel(out["bf16"], exact),
-                         "fp8_vs_float64": rel(out["fp8_e4m3"], exact),
-                         "fp8_vs_bf16": rel(out["fp8_e4m3"], out["bf16"])})
-    return pd.DataFrame(rows)

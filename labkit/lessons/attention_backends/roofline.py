@@ -6,11 +6,10 @@ the roofline. Prefill sits far right (compute-bound), decode far left (bandwidth
 GPU) on it, using the bytes and FLOPs of the benchmark's shapes as ``AttentionWorkload``
 computes them; ``registry_points`` times the registry's backends here, as an engine calls them.
 ``targets`` scores the results against the kernels' speed targets (``TARGETS``), each with the
-range of its rounds. Figures are plotly.
+range of its rounds. The roofline figure is plotly; the bar figures are in ``figures``.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 
@@ -20,7 +19,7 @@ import torch
 
 from labkit.lessons.attention_backends.compare import (
     AttentionWorkload,
-    attention_io,
+    registry_table,
     time_registry,
 )
 from labkit.measure.rounds import Spread
@@ -63,6 +62,12 @@ def source_excerpt(obj, first: str, last: str | None = None) -> str:
     return "".join(f"{start + n:4d}  {lines[n]}" for n in range(i, j + 1))
 
 
+def result_of(data: dict | None, section: str, peer: str):
+    """One peer's result in a benchmark section; None where the section failed or is absent."""
+    value = (data or {}).get(section)
+    return value.get(peer) if isinstance(value, dict) else None
+
+
 def spread_of(result) -> Spread | None:
     """A benchmark result's time in us over its rounds (one value where it was recorded without
     rounds); None for a peer that did not run."""
@@ -97,7 +102,7 @@ def _point(rows, workload: AttentionWorkload, label: str, result) -> None:
         return  # a peer that could not run in the benchmark
     seconds = s.median * 1e-6
     rows.append({"workload": workload.name, "backend": label, "us": s.median, "us_low": s.low,
-                 "us_high": s.high, "rounds": s.rounds,
+                 "us_high": s.high, "rounds": int(s.rounds),
                  "flops_per_byte": workload.flops() / workload.bytes_moved(),
                  "tflops": workload.flops() / seconds / 1e12,
                  "gbps": workload.bytes_moved() / seconds / 1e9})
@@ -129,7 +134,7 @@ def registry_points(workloads: list[AttentionWorkload], device: str, *, rounds: 
     as an engine calls it; a backend that raises is a row with its error."""
     frames = [time_registry(w, device, rounds=rounds, repeats=repeats, warmup=warmup)
               for w in workloads]
-    return pd.concat(frames, ignore_index=True)
+    return registry_table(pd.concat(frames, ignore_index=True))
 
 
 _SYMBOLS = ["circle", "square", "diamond", "triangle-up", "cross", "star", "x"]
@@ -160,118 +165,6 @@ def roofline_figure(points: pd.DataFrame, copy_gbps: float, matmul_tflops: float
     return fig
 
 
-def tiling_figure(lengths, num_heads: int, head_dim: int, block_m: int) -> go.Figure:
-    """Two panels over sequence length, from ``attention_io``: the HBM bytes one call moves
-    (scores through HBM, tiled, tiled with the causal tiles skipped) and what must sit in HBM
-    during the call (naive with its score matrix, tiled with Q, K, V, O only)."""
-    from plotly.subplots import make_subplots
-    io = pd.DataFrame([attention_io(n, n, num_heads, head_dim, block_m) | {"length": n}
-                       for n in lengths])
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("HBM bytes moved per call",
-                                                        "HBM held during the call"))
-    for col, name in (("naive_bytes", "naive: S and P written and read back"),
-                      ("tiled_bytes", f"tiled: K/V re-read once per {block_m}-query tile"),
-                      ("causal_tiled_bytes", "tiled, causal: tiles above the diagonal skipped")):
-        fig.add_scatter(x=io.length, y=io[col] / 2**20, mode="lines+markers", name=name,
-                        row=1, col=1)
-    for col, name in (("naive_memory_bytes", "naive: Q, K, V, O + the [S, S] scores"),
-                      ("tiled_memory_bytes", "tiled: Q, K, V, O only")):
-        fig.add_scatter(x=io.length, y=io[col] / 2**20, mode="lines+markers", name=name,
-                        line_dash="dot", row=1, col=2)
-    fig.update_xaxes(title_text="sequence length", type="log")
-    fig.update_yaxes(title_text="MiB", type="log")
-    fig.update_layout(title=f"Attention in HBM, {num_heads} heads, head_dim {head_dim}",
-                      height=460, legend={"orientation": "h", "y": -0.25})
-    return fig
-
-
-def _bars(rows: dict[str, float], title: str, unit: str, lines: dict[str, float]) -> go.Figure:
-    fig = go.Figure(go.Bar(x=list(rows), y=list(rows.values()), text=[f"{v:,.0f}" for v in
-                                                                       rows.values()]))
-    for name, y in lines.items():
-        fig.add_hline(y=y, line_dash="dash", annotation_text=name)
-    fig.update_layout(title=title, yaxis_title=unit, height=420)
-    return fig
-
-
-def _needs(section: str):
-    """A benchmark section that failed or is absent draws a figure saying so, not a traceback."""
-    def wrap(figure):
-        @functools.wraps(figure)
-        def draw(data: dict, *args, **kwargs):
-            value = data.get(section)
-            if not value or (isinstance(value, dict) and "error" in value):
-                why = value["error"] if isinstance(value, dict) else "no data"
-                fig = go.Figure()
-                fig.add_annotation(text=f"{section} not measured: {why}"[:200], showarrow=False)
-                return fig.update_layout(title=f"{section}: not measured", height=200)
-            return figure(data, *args, **kwargs)
-        return draw
-    return wrap
-
-
-@_needs("prefill")
-def prefill_figure(data: dict, matmul_tflops: float | None, subtitle: str = "") -> go.Figure:
-    rows = {k: v["tflops"] for k, v in data["prefill"].items()
-            if isinstance(v, dict) and "tflops" in v}
-    p = PREFILL
-    return _bars(rows, f"causal prefill B{p['batch']} H{p['heads']} S{p['seq']} "
-                 f"D{p['head_dim']} bf16{subtitle}", "TFLOP/s",
-                 {"matmul rate": matmul_tflops} if matmul_tflops else {})
-
-
-@_needs("decode")
-def decode_figure(data: dict, subtitle: str = "") -> go.Figure:
-    d, copy = data["decode"], data["copy_gbps"]
-    rows = {k: v["gbps"] for k, v in d.items() if isinstance(v, dict) and "gbps" in v}
-    need = TARGETS["decode: ours, fraction of copy bandwidth"]
-    return _bars(rows, f"paged decode B{DECODE['batch']} GQA {DECODE['q_heads']}/"
-                 f"{DECODE['kv_heads']} ctx {DECODE['context']} block {DECODE['block_size']}"
-                 f"{subtitle}", "KV GB/s",
-                 {"copy bandwidth": copy, f"target: {need:.0%} of copy": need * copy})
-
-
-@_needs("long_context")
-def long_context_figure(data: dict, subtitle: str = "") -> go.Figure:
-    lc, copy = data["long_context"], data["copy_gbps"]
-    fig = go.Figure()
-    for mode in ("split (auto)", "no split"):
-        keys = [k for k in lc if k.endswith(mode) and "gbps" in lc[k]]
-        fig.add_bar(x=[k.split()[0] for k in keys], y=[lc[k]["gbps"] for k in keys], name=mode)
-    need = TARGETS["long context, split: fraction of copy bandwidth"]
-    fig.add_hline(y=need * copy, line_dash="dash",
-                  annotation_text=f"target: {need:.0%} of copy bandwidth")
-    fig.update_layout(title=f"decode at {LONG_CONTEXT:,} tokens: split-KV vs one program per "
-                      f"KV head{subtitle}", xaxis_title="batch", yaxis_title="KV GB/s",
-                      height=420)
-    return fig
-
-
-@_needs("fp8")
-def fp8_figure(data: dict, subtitle: str = "") -> go.Figure:
-    f = data["fp8"]
-    rows = {k: v["tokens_per_s"] for k, v in f.items() if isinstance(v, dict) and
-            "tokens_per_s" in v}
-    need = TARGETS["fp8 cache vs bf16 decode (speed ratio)"]
-    bf16 = (f.get("bf16") or {}).get("tokens_per_s")
-    return _bars(rows, f"decode throughput, bf16 vs fp8 (e4m3) KV cache{subtitle}",
-                 "tokens/s", {f"target: {need} x bf16": need * bf16} if bf16 else {})
-
-
-@_needs("block_sweep")
-def block_sweep_figure(data: dict, subtitle: str = "") -> go.Figure:
-    sweep = pd.DataFrame(data["block_sweep"])
-    fig = go.Figure()
-    for ctx, g in sweep.groupby("context"):
-        fig.add_scatter(x=g.block_size, y=g.gbps, mode="lines+markers", name=f"context {ctx}")
-    fig.add_hline(y=data["copy_gbps"], line_dash="dash", annotation_text="copy bandwidth")
-    fig.update_layout(title=f"paged decode GB/s over block size, batch "
-                      f"{sweep.batch.iloc[0]}{subtitle}", xaxis_title="block size (tokens)",
-                      xaxis={"type": "log", "tickvals": sorted(sweep.block_size.unique())},
-                      yaxis_title="KV GB/s", height=420)
-    return fig
-
-
 # The speed targets of the attention kernels, stated once: (required, "must" or "aim").
 TARGETS = {
     "prefill: ours vs SDPA flash (speed ratio)": 1.2,
@@ -299,8 +192,7 @@ def targets(data: dict) -> pd.DataFrame:
     """The attention kernels' speed targets, each computed from ``data`` per round, with its
     median, range and verdict; a missing result is never met."""
     def get(section, peer):
-        value = data.get(section)
-        return value.get(peer) if isinstance(value, dict) else None
+        return result_of(data, section, peer)
 
     copy = data.get("copy_gbps")
     ours = get("prefill", "triton (ours)")
@@ -328,6 +220,17 @@ def targets(data: dict) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     df["met"] = df.verdict == "met"
     return df
+
+
+def block_sweep_table(data: dict) -> pd.DataFrame | None:
+    """The benchmark's block-size sweep as decode's fraction of the copy bandwidth, one row per
+    block size and one column per context (both in tokens); None where it was not measured."""
+    sweep = data.get("block_sweep")
+    if not isinstance(sweep, list) or not sweep:  # a failed section is a dict with its error
+        return None
+    table = pd.DataFrame(sweep).astype({"block_size": "int64", "context": "int64",
+                                        "batch": "int64"})
+    return table.pivot(index="block_size", columns="context", values="fraction_of_copy")
 
 
 def live_results(with_registry: bool = False) -> dict:
