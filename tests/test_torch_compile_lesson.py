@@ -276,6 +276,22 @@ def test_the_autotune_log_is_kept_and_everything_else_on_stderr_still_shows(caps
     assert "recompile_limit" in caplog.text
 
 
+def test_max_autotune_keeps_its_table_and_writes_no_choices_stats(capsys):
+    """Inductor autotunes on a CPU too, given frozen weights and its C++ GEMM template: the
+    same code path that writes "Autotune Choices Stats" to stderr on a GPU."""
+    from torch._inductor import config as inductor_config
+    torch._dynamo.reset()
+    fn = torch.compile(torch.nn.Linear(16, 16), mode="max-autotune")
+    cpu_autotune = inductor_config.patch(freezing=True, force_disable_caches=True,
+                                         max_autotune_gemm_backends="CPP,ATEN")
+    with torch.no_grad(), cpu_autotune, md.autotune_log_kept() as log:
+        fn(torch.randn(4, 16))
+    torch._dynamo.reset()
+    assert any(line.startswith("AUTOTUNE ") for line in log), f"nothing was autotuned: {log}"
+    err = capsys.readouterr().err
+    assert "Choices Stats" not in err and "num_choices" not in err, err[-2000:]
+
+
 def test_steady_state_times_eager_and_default_in_rounds_without_recompiling():
     torch._dynamo.reset()
     from labkit.lessons.torch_compile.pipeline import BlockConfig, make_block

@@ -13,7 +13,9 @@ over rounds, beside the GPU kernel time of one profiled call.
   CUDA Graphs as ``reduce-overhead`` does.
 
 ``max-autotune`` writes its benchmark table to stderr while it compiles; it is kept in the
-result (``autotune_log``) instead of flooding the cell, and nothing else on stderr is touched.
+result (``autotune_log``) instead of flooding the cell. Its "Autotune Choices Stats" lines (one
+JSON summary per tuned op, meant for Inductor's compile-event log) are switched off at the source
+with ``max_autotune_report_choices_stats``. Nothing else on stderr is touched.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
+from torch._inductor import config as inductor_config
 
 from labkit.device import synchronize
 from labkit.measure.rounds import Rounds, interleaved
@@ -64,10 +67,13 @@ class _AutotuneFilter(io.TextIOBase):
 
 @contextlib.contextmanager
 def autotune_log_kept():
-    """Yields the list the autotuner's stderr lines go to. Logging (Dynamo's recompile-limit
-    warning included) keeps its own handlers and is shown as usual."""
+    """Yields the list the autotuner's stderr lines go to; its choices-stats summary is not
+    written at all. Logging (Dynamo's recompile-limit warning included) keeps its own handlers
+    and is shown as usual."""
     keep = _AutotuneFilter(sys.stderr)
-    with contextlib.redirect_stderr(keep):
+    # read while compiling: the first call of a compiled function must run inside this block
+    with contextlib.redirect_stderr(keep), \
+            inductor_config.patch(max_autotune_report_choices_stats=False):
         try:
             yield keep.kept
         finally:
