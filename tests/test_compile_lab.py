@@ -52,6 +52,14 @@ def test_fixed_versions_compile_as_one_full_graph_matching_eager(ex):
     torch.testing.assert_close(compiled(x), ex.fixed(x), rtol=0, atol=0)
 
 
+def test_graphs_of_reads_one_example_and_names_the_examples_when_asked_for_another():
+    table = gb.break_table(torch.randn(5, 7), gb.EXAMPLES[:1])
+    assert gb.graphs_of(table, gb.EXAMPLES[0].name) == 2
+    assert gb.graphs_of(table, gb.EXAMPLES[0].name, "fixed") == 1
+    with pytest.raises(KeyError, match="if on a tensor value"):
+        gb.graphs_of(table, "print")
+
+
 def test_broken_version_is_refused_under_fullgraph():
     compiled = torch.compile(gb.branch_on_value, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="(?i)data.dependent|generic_jump|Unsupported"):

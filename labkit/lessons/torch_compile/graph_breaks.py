@@ -156,6 +156,15 @@ def break_table(x: torch.Tensor, examples=EXAMPLES) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def graphs_of(table: pd.DataFrame, example: str, version: str = "broken") -> int:
+    """How many graphs ``break_table`` found for one example's version."""
+    row = table[(table.example == example) & (table.version == version)]
+    if len(row) != 1:
+        raise KeyError(f"break_table has no {version!r} row for {example!r}; its examples: "
+                       f"{sorted(set(table.example))}")
+    return int(row.graphs.iloc[0])
+
+
 def same_result(ex: BreakExample, x: torch.Tensor) -> bool:
     """The fix must compute what the broken version computes (both eager, the reference)."""
     with contextlib.redirect_stdout(io.StringIO()):
