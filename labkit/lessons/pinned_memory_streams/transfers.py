@@ -256,6 +256,11 @@ def early_reuse(safe: bool, n_batches: int = 16, numel: int = 1 << 18, sleep_ms:
     Unsafe: one pinned buffer, refilled by the CPU as soon as each copy is enqueued. Safe: the
     same loop through a two-buffer :class:`PinnedStagingPool`. ``arrived`` is what each copy's
     checksum says; ``mix`` which batches its elements came from, and in what shares.
+
+    A checksum names one batch only when the copy holds one whole batch. A copy the DMA read
+    while the CPU was still rewriting the buffer is *torn*: its checksum gives a fractional
+    "batch" (:func:`arrived_batch`), and since element j of batch i holds ``j + i * numel``,
+    each element says which batch it came from (:func:`batch_mix`).
     """
     dev = cuda_device(device)
     batches = [make_batch(i, numel) for i in range(n_batches)]
