@@ -59,3 +59,20 @@ def test_todays_ceilings_must_agree_with_the_recording(h200):
 def test_a_launch_floor_below_half_a_microsecond_is_not_believed():
     ceil = {"copy_GBps": 4000.0}
     assert tour.launch_floor_claim(7.0, ceil).held and not tour.launch_floor_claim(0.1, ceil).held
+
+
+def test_the_graph_floor_claim_holds_when_replay_is_cheaper_in_every_round():
+    floor = {"eager_us": [7.6, 7.4, 7.9], "graph_us": [1.2, 1.1, 1.3]}
+    made = tour.graph_floor_claim(floor)
+    assert made.held and "in every round" in made.text
+    swapped = {"eager_us": floor["graph_us"], "graph_us": floor["eager_us"]}
+    assert not tour.graph_floor_claim(swapped).held
+    one_round_equal = {"eager_us": [7.6, 7.4, 1.0], "graph_us": [1.2, 1.1, 1.3]}
+    assert not tour.graph_floor_claim(one_round_equal).held
+
+
+def test_the_graph_floor_is_read_from_notebook_01s_recording_without_a_gpu():
+    rec = recorded.load("launch_overhead", "sweep")
+    floor = tour.recorded_graph_floor(rec.data["sweep"])
+    made = tour.graph_floor_claim(floor, recorded=rec)
+    assert made.held and "(recorded)" in made.text and "round" not in made.text

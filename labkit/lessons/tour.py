@@ -159,6 +159,46 @@ def launch_floor_claim(launch_us: float, ceil: dict):
                  launch_us > 0.5, us=launch_us, kb=kb)
 
 
+def graph_floor(device, numel: int = 16, n_kernels: int = 64, rounds: int = 5) -> dict:
+    """Per-kernel time of a chain of tiny ops, eager against one graph replay, in interleaved
+    rounds (microseconds per kernel): the launch floor with and without the host."""
+    from labkit.lessons.launch_overhead import chain_runner
+    from labkit.measure.rounds import interleaved
+
+    r = interleaved({m: chain_runner(m, numel, n_kernels, device) for m in ("eager", "graph")},
+                    rounds=rounds, device=device)
+    per = 1.0 / n_kernels
+    return {"eager_us": [v * per for v in r.us("eager").values],
+            "graph_us": [v * per for v in r.us("graph").values]}
+
+
+def recorded_graph_floor(sweep: dict) -> dict:
+    """The same two floors from notebook 01's recorded sweep, at its smallest size."""
+    df = pd.DataFrame(sweep)
+    small = df[df.numel == df.numel.min()].set_index("mode")
+    return {"eager_us": [float(small.loc["eager", "us_per_kernel"])],
+            "graph_us": [float(small.loc["graph", "us_per_kernel"])]}
+
+
+def graph_floor_claim(floor: dict, recorded=None):
+    """A graph replay's per-kernel floor against the eager launch's, per round."""
+    from labkit.measure.rounds import Spread
+
+    eager, graph = Spread.of(floor["eager_us"]), Spread.of(floor["graph_us"])
+    gain = Spread.of([e / g for e, g in zip(floor["eager_us"], floor["graph_us"])])
+    where = "" if recorded is None else f" on {recorded.fingerprint['gpu']} (recorded)"
+    one = gain.rounds == 1  # a recording keeps the medians only
+
+    def shown(v, spec):
+        return f"{v.median:{spec}}" if one else f"{v:{spec}}"
+    return claim("The third ceiling is the launch floor{where}: a tiny kernel costs {e} us "
+                 "launched eagerly and {g} us replayed from a CUDA Graph, {x}x less{every}. A "
+                 "graph leaves the GPU's own per-kernel cost; the host's share is gone.",
+                 gain.above(1.0), where=where, e=shown(eager, ".2f"), g=shown(graph, ".2f"),
+                 x=shown(gain, ".1f"), every="" if one else " in every round",
+                 recorded=recorded)
+
+
 def machines_claim(here: dict, recorded) -> object:
     """On a machine without a GPU: how far the recorded GPU's ceilings are from this one's."""
     x = recorded.data["copy_GBps"] / here["copy_GBps"]
