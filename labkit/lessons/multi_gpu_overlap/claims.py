@@ -5,16 +5,14 @@ import itertools
 
 import pandas as pd
 
-from labkit.distributed.tensor_parallel import (
-    DTYPES,
-)
-from labkit.lessons.multi_gpu_overlap.experiment import TPResult
+from labkit.distributed.tensor_parallel import DTYPES
 from labkit.lessons.multi_gpu_overlap.metrics import (
     BOUND_TOLERANCE,
     BOUNDS,
     gain_verdict,
     out_of_model,
 )
+from labkit.lessons.multi_gpu_overlap.result import TPResult
 from labkit.teaching import claim
 
 # ----------------------------------------------------------------------- what the notebook claims
