@@ -47,7 +47,7 @@ def learner_function(root: Path, exercise_id: str):
     ex = EXERCISES[exercise_id]
     if ex.kernel_file:
         return None, root / "kernels" / "exercises" / ex.kernel_file
-    namespace: dict = {}
+    namespace: dict = {"torch": torch}  # every notebook has torch imported
     exec(compile(solution_cell(root, exercise_id), f"<exercise {exercise_id}>", "exec"), namespace)
     return namespace[ex.entry], None
 

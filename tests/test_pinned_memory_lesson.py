@@ -352,3 +352,12 @@ def test_the_recorded_steps_without_phases_make_only_the_tokens_claim(rec, capsy
     assert held(made) == [True] and "step_ms_rounds" in capsys.readouterr().out
     assert held(transfer.step_claims(no_phases.assign(same_tokens=[True, False]),
                                      recorded=rec)) == [False]
+
+
+def test_the_handshake_claim_holds_only_when_the_wait_mattered():
+    batch, later = [0.0, 2.0, 4.0, 6.0], [200.0, 202.0, 204.0, 206.0]
+    nan = [float("nan")] * 4
+    assert transfer.handshake_claim(batch, nan, batch, later).held
+    assert not transfer.handshake_claim(batch, later, batch, later).held, \
+        "the copy landed in time without the wait: nothing shown"
+    assert not transfer.handshake_claim(nan, nan, batch, later).held

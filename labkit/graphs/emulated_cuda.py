@@ -18,8 +18,17 @@ reruns them in order and writes each result into the tensor the capture produced
 what a CUDA Graph freezes: the input tensors (a rebound name is not read), every Python value
 and branch (they were never recorded), and the output storage (the next replay overwrites it).
 Reading a value back to the host during capture (``.item()``, ``bool(t)``, ``nonzero``) raises,
-as a CUDA capture does. Streams and events exist for their calls; on one CPU thread every op
-runs in issue order, so they order nothing.
+as a CUDA capture does.
+
+Streams and events order work only inside ``running()`` (the exercise checks enter it): there,
+an op issued while a side stream is current is queued on that stream and runs as late as the
+stream order allows (when an event behind it is waited on, the stream is waited on or
+synchronised, or ``running()`` ends), and what it allocates reads as NaN (-1 for integers)
+until then. So a read that skips the wait gets poison instead of data, every time. A tensor
+allocated on one stream and read on another is noted, with the ``record_stream`` calls made
+for it: the caching allocator's rule (without one, freeing it lets its memory go to its own
+stream's next allocation while the other stream still reads it). Outside ``running()`` every op
+runs at once, in issue order.
 """
 from __future__ import annotations
 
@@ -119,27 +128,49 @@ class graph(contextlib.AbstractContextManager):
 
 class Event:
     def __init__(self, enable_timing: bool = False, **kwargs):
-        self.recorded = False
+        self.stream: Stream | None = None
+        self.position = 0
 
     def record(self, stream: Stream | None = None) -> None:
-        self.recorded = True
+        self.stream = stream or current_stream()
+        self.position = len(self.stream.issued)
 
     def wait(self, stream: Stream | None = None) -> None:
-        pass
+        self.synchronize()  # the waiting stream's later work follows: run the work before us
 
     def query(self) -> bool:
-        return True
+        return self.stream is None or self.stream.done >= self.position
 
     def synchronize(self) -> None:
-        pass
+        if self.stream is not None:
+            self.stream.run_until(self.position)
 
 
-class Stream:
+class Stream(torch.Stream):
+    """A ``torch.Stream`` (so ``Tensor.record_stream`` takes it) with an in-order queue.
+    Streams compare equal as torch.Streams on one device do: tell them apart with ``is``."""
+
+    _made = 0
+
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
+        Stream._made += 1  # a stream id of its own: record_stream passes the id, not the object
+        return super().__new__(cls, stream_id=Stream._made, device_index=-1, device_type=0)
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.issued: list = []   # closures, in issue order
+        self.done = 0            # how many of them have run
+
+    def run_until(self, position: int) -> None:
+        while self.done < position:
+            self.done += 1
+            with _passing_through():
+                self.issued[self.done - 1]()
+
     def wait_stream(self, other: Stream) -> None:
-        pass
+        other.run_until(len(other.issued))
 
     def wait_event(self, event: Event) -> None:
-        pass
+        event.synchronize()
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -147,27 +178,123 @@ class Stream:
         return event
 
     def synchronize(self) -> None:
-        pass
+        self.run_until(len(self.issued))
 
     def query(self) -> bool:
-        return True
+        return self.done >= len(self.issued)
 
 
 _DEFAULT = Stream()
+_entered: list[Stream] = []   # the streams `with stream(s):` made current, innermost last
+_sides: list[Stream] = []     # every side stream that queued work, to drain at the end
+_ACTIVE: list[_Streams] = []
 
 
 def current_stream(device=None) -> Stream:
-    return _DEFAULT
+    return _entered[-1] if _entered else _DEFAULT
 
 
 @contextlib.contextmanager
 def stream(s: Stream | None):
-    yield s
+    if s is None:
+        yield s
+        return
+    _entered.append(s)
+    try:
+        yield s
+    finally:
+        _entered.pop()
 
 
 def synchronize(device=None) -> None:
-    pass
+    for s in _sides:
+        s.synchronize()
 
 
 def is_current_stream_capturing() -> bool:
     return bool(_capturing)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan") if t.is_floating_point() else -1)
+
+
+class _Streams(TorchDispatchMode):
+    """Queues side-stream ops; notes cross-stream reads and record_stream calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.owner: dict[int, Stream] = {}        # storage -> the stream that allocated it
+        self.crossed: dict[tuple, str] = {}       # (storage, reading stream_id) -> op name
+        self.recorded: set[tuple] = set()         # (storage, stream_id) record_stream named
+        self.passing = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.passing:
+            return func(*args, **kwargs)
+        if func is torch.ops.aten.record_stream.default:
+            self.recorded.add((_key(args[0]), args[1].stream_id))
+            return None
+        here = current_stream()
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and (owner := self.owner.get(_key(t))) is not None \
+                    and owner is not here:
+                self.crossed.setdefault((_key(t), here.stream_id), func.__name__)
+        if here is _DEFAULT:
+            return func(*args, **kwargs)
+        if not any(s is here for s in _sides):  # streams compare equal: by identity
+            _sides.append(here)
+        if func._schema.is_mutable:  # in place (copy_, add_): it happens when the stream runs
+            here.issued.append(lambda: func(*args, **kwargs))
+            return args[0]
+        result = func(*args, **kwargs)
+        if not isinstance(result, torch.Tensor):
+            return result
+        out = _poisoned(result)
+        self.owner[_key(out)] = here
+        if not func.overloadpacket.__name__.startswith("empty"):  # empty*: nothing to compute
+            here.issued.append(lambda: out.copy_(func(*args, **kwargs)))
+        return out
+
+    def missing_record_stream(self) -> list[str]:
+        """Cross-stream reads of a tensor with no record_stream for the reading stream."""
+        return [op for (storage, reader), op in self.crossed.items()
+                if (storage, reader) not in self.recorded]
+
+
+@contextlib.contextmanager
+def _passing_through():
+    modes = [m for m in _ACTIVE if not m.passing]
+    for m in modes:
+        m.passing = True
+    try:
+        yield
+    finally:
+        for m in modes:
+            m.passing = False
+
+
+def order(device) -> contextlib.AbstractContextManager:
+    """``running()`` on a CPU; on a GPU nothing: its streams order work themselves."""
+    return contextlib.nullcontext() if torch.device(device).type == "cuda" else running()
+
+
+@contextlib.contextmanager
+def running():
+    """Streams that order work (see the module docstring); yields the mode, whose
+    ``missing_record_stream()`` lists the cross-stream reads no ``record_stream`` covered.
+    Every queued op has run when it ends (the device drained)."""
+    mode = _Streams()
+    _ACTIVE.append(mode)
+    try:
+        with mode:
+            yield mode
+            synchronize()
+    finally:
+        _ACTIVE.remove(mode)
+        _sides.clear()

@@ -198,6 +198,16 @@ def readback_claim(got: list, expected: list) -> list:
                   expected=expected)]
 
 
+def handshake_claim(waited: list, skipped: list, expected: list, expected_skipped: list):
+    """The raw copy-stream handshake: with the event wait the compute reads the copied batch;
+    without it, what the device block held before the copy landed."""
+    return claim("With the wait on the copy's event the compute stream read {w}, the copied batch "
+                 "doubled; without the wait it read {s} where {e} was due: it ran before the copy "
+                 "had landed, and nothing raised.",
+                 waited == expected and skipped != expected_skipped, w=waited, s=skipped,
+                 e=expected_skipped)
+
+
 # ---------------------------------------------------------------------- copies beside kernels
 def timeline_claims(serial: dict, overlap: dict, *, recorded=None) -> list:
     """From two profiler timelines: GPU time with a copy and a kernel running at once."""
