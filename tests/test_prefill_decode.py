@@ -1,4 +1,6 @@
-"""Notebook 07's library: the FLOP/byte arithmetic, the measured forward, the engine runs."""
+"""Notebook 07's library: the FLOP/byte arithmetic, the measured forward, what bounds it, the
+engine runs."""
+import dataclasses
 import json
 import math
 
@@ -6,9 +8,9 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit.lessons.prefill_vs_decode import chunked_prefill as cp
-from labkit.lessons.prefill_vs_decode import forward as pdc
 from labkit.engine import LLM, ModelConfig, random_model
+from labkit.lessons.prefill_vs_decode import bounds, cost, figures, forward, latency
+from labkit.lessons.prefill_vs_decode import chunked_prefill as cp
 
 # h 8, intermediate 16, 1 layer, 2 query heads / 1 KV head of dim 4, vocabulary 10, float32:
 # q_size 8, kv_size 4; matmul weights per layer 8*(8+2*4) + 8*8 + 3*8*16 = 576.
@@ -33,7 +35,7 @@ def tiny_model():
 
 # ----------------------------------------------------------------------------- arithmetic
 def test_prefill_cost_matches_the_hand_count():
-    c = pdc.forward_cost(SMALL, pdc.prefill(3))
+    c = cost.forward_cost(SMALL, cost.prefill(3))
     assert c["linear_flops"] == 2 * 3 * 576 + 2 * 1 * 10 * 8, "2 FLOPs per weight per token, " \
         "plus the logits of the last token only"
     assert c["attention_flops"] == 4 * 2 * 4 * 6, "causal: 3 queries see 1+2+3 keys"
@@ -44,21 +46,21 @@ def test_prefill_cost_matches_the_hand_count():
 
 
 def test_decode_cost_matches_the_hand_count():
-    c = pdc.forward_cost(SMALL, pdc.decode(2, 5))
+    c = cost.forward_cost(SMALL, cost.decode(2, 5))
     assert c["linear_flops"] == 2 * 2 * 576 + 2 * 2 * 10 * 8, "two rows, each sampled"
     assert c["attention_flops"] == 4 * 2 * 4 * 2 * 5, "each row's query sees its 5 keys"
     assert c["kv_bytes"] == 4 * 2 * 4 * 2 * (1 + 5), "each row writes 1 token, reads 5"
-    assert c["weight_bytes"] == pdc.forward_cost(SMALL, pdc.prefill(3))["weight_bytes"]
+    assert c["weight_bytes"] == cost.forward_cost(SMALL, cost.prefill(3))["weight_bytes"]
 
 
 def test_bf16_halves_every_byte_and_keeps_every_flop():
-    f32 = pdc.forward_cost(SMALL, pdc.decode(4, 9), dtype_bytes=4)
-    bf16 = pdc.forward_cost(SMALL, pdc.decode(4, 9), dtype_bytes=2)
+    f32 = cost.forward_cost(SMALL, cost.decode(4, 9), dtype_bytes=4)
+    bf16 = cost.forward_cost(SMALL, cost.decode(4, 9), dtype_bytes=2)
     assert bf16["bytes"] * 2 == f32["bytes"] and bf16["flops"] == f32["flops"]
 
 
 def test_batching_decode_shares_the_weight_reads():
-    one, many = (pdc.forward_cost(ModelConfig.bench_1b(), pdc.decode(b, 256)) for b in (1, 64))
+    one, many = (cost.forward_cost(ModelConfig.bench_1b(), cost.decode(b, 256)) for b in (1, 64))
     assert many["weight_bytes"] == one["weight_bytes"], "weights are read once per step"
     assert many["flops_per_byte"] > 30 * one["flops_per_byte"], (
         "64 rows per weight read should raise decode's intensity many times over")
@@ -66,29 +68,29 @@ def test_batching_decode_shares_the_weight_reads():
 
 def test_prefill_is_compute_bound_and_decode_memory_bound_on_an_h200_ridge():
     cfg, ridge = ModelConfig.bench_1b(), 190.0
-    assert pdc.forward_cost(cfg, pdc.prefill(2048))["flops_per_byte"] > ridge
-    assert pdc.forward_cost(cfg, pdc.decode(1, 1024))["flops_per_byte"] < 2
+    assert cost.forward_cost(cfg, cost.prefill(2048))["flops_per_byte"] > ridge
+    assert cost.forward_cost(cfg, cost.decode(1, 1024))["flops_per_byte"] < 2
 
 
 def test_cost_table_reports_gflop_and_mb():
-    table = pdc.cost_table(SMALL, [pdc.prefill(3)])
-    raw = pdc.forward_cost(SMALL, pdc.prefill(3))
+    table = cost.cost_table(SMALL, [cost.prefill(3)])
+    raw = cost.forward_cost(SMALL, cost.prefill(3))
     assert table.loc["prefill S=3", "GFLOP"] == pytest.approx(raw["flops"] / 1e9)
     assert table.loc["prefill S=3", "kv_MB"] == pytest.approx(raw["kv_bytes"] / 1e6)
 
 
 def test_knee_is_the_first_batch_at_the_ridge():
     cfg, ridge = ModelConfig.bench_1b(), 190.0
-    knee = pdc.knee_batch(cfg, 0, ridge)
+    knee = cost.knee_batch(cfg, 0, ridge)
     assert knee is not None and 100 < knee < 400, f"weights-only knee of bench_1b: {knee}"
-    assert pdc.decode_intensity(cfg, knee, 0) >= ridge > pdc.decode_intensity(cfg, knee - 1, 0)
+    assert cost.decode_intensity(cfg, knee, 0) >= ridge > cost.decode_intensity(cfg, knee - 1, 0)
 
 
 def test_long_contexts_never_reach_the_ridge():
     cfg = ModelConfig.bench_1b()
-    assert pdc.knee_batch(cfg, 4096, 190.0) is None, (
+    assert cost.knee_batch(cfg, 4096, 190.0) is None, (
         "at 4k tokens of context each row's KV reads keep decode below the ridge")
-    assert pdc.knee_batch(cfg, 4096, 1.0) == 1, "a ridge below batch-1 intensity is met at once"
+    assert cost.knee_batch(cfg, 4096, 1.0) == 1, "a ridge below batch-1 intensity is met at once"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -99,7 +101,7 @@ def test_long_contexts_never_reach_the_ridge():
 ])
 def test_a_shape_that_cannot_exist_is_refused(bad, match):
     with pytest.raises(ValueError, match=match):
-        pdc.ForwardShape(**bad)
+        cost.ForwardShape(**bad)
 
 
 # ----------------------------------------------------------------------------- the forward
@@ -112,14 +114,14 @@ def test_decode_attention_matches_the_reference(batch, q_heads, kv_heads, contex
     g = torch.Generator().manual_seed(batch * 100 + context)
     q = torch.randn(batch, q_heads, 16, generator=g).to(dtype)
     k, v = (torch.randn(batch, kv_heads, context, 16, generator=g).to(dtype) for _ in "kv")
-    out = pdc.decode_attention(q, k, v)
-    ref = pdc.decode_attention_ref(q, k, v)
+    out = forward.decode_attention(q, k, v)
+    ref = forward.decode_attention_ref(q, k, v)
     assert out.shape == (batch, q_heads, 16) and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 def test_prefill_step_gives_the_models_own_logits(tiny_model):
-    step = pdc.forward_step(tiny_model, pdc.prefill(5, batch=2), seed=3)
+    step = forward.forward_step(tiny_model, cost.prefill(5, batch=2), seed=3)
     ids = torch.randint(0, tiny_model.config.vocab_size, (10,),
                         generator=torch.Generator().manual_seed(3))
     ref = tiny_model(ids.view(2, 5))[:, -1]  # the plain causal path of LlamaModel.forward
@@ -127,7 +129,7 @@ def test_prefill_step_gives_the_models_own_logits(tiny_model):
 
 
 def test_decode_step_writes_its_token_and_returns_one_row_per_sequence(tiny_model):
-    step = pdc.forward_step(tiny_model, pdc.decode(3, 7))
+    step = forward.forward_step(tiny_model, cost.decode(3, 7))
     first, again = step(), step()
     assert first.shape == (3, tiny_model.config.vocab_size) and torch.isfinite(first).all()
     torch.testing.assert_close(first, again, msg="a step on fixed tensors must be repeatable "
@@ -140,16 +142,16 @@ def test_a_step_can_run_the_fused_layer_ops_without_changing_the_model(tiny_mode
     kernel = FusedOps.add_rms_norm
     monkeypatch.setattr(FusedOps, "add_rms_norm",
                         staticmethod(lambda *a: calls.append(1) or kernel(*a)))
-    plain = pdc.forward_step(tiny_model, pdc.decode(2, 6), seed=1)()
+    plain = forward.forward_step(tiny_model, cost.decode(2, 6), seed=1)()
     assert not calls, "the model's own choice is plain ops"
-    fused = pdc.forward_step(tiny_model, pdc.decode(2, 6), seed=1, fused_ops=True)()
+    fused = forward.forward_step(tiny_model, cost.decode(2, 6), seed=1, fused_ops=True)()
     assert calls, "fused_ops=True ran the fused kernels"
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     assert tiny_model.fused_ops is False, "the choice is the call's, not flipped on the model"
 
 
 def test_measure_returns_a_point_per_shape_with_consistent_rates(tiny_model):
-    points = pdc.time_forwards(tiny_model, [pdc.prefill(8), pdc.decode(2, 8)], repeats=3)
+    points = forward.time_forwards(tiny_model, [cost.prefill(8), cost.decode(2, 8)], repeats=3)
     assert list(points["shape"]) == ["prefill S=8", "decode B=2 ctx 8"]
     assert (points.ms > 0).all() and (points["mode"] == "eager").all()
     assert points.tflops.values == pytest.approx((points.flops / (points.ms * 1e-3) / 1e12).values)
@@ -161,16 +163,16 @@ def test_measure_returns_a_point_per_shape_with_consistent_rates(tiny_model):
 
 def test_graph_mode_on_cpu_says_what_to_compare_instead(tiny_model):
     with pytest.raises(ValueError, match="op_issue_floor"):
-        pdc.time_forward(tiny_model, pdc.decode(1, 4), "graph")
+        forward.time_forward(tiny_model, cost.decode(1, 4), "graph")
     with pytest.raises(ValueError, match="eager"):
-        pdc.time_forward(tiny_model, pdc.decode(1, 4), "turbo")
+        forward.time_forward(tiny_model, cost.decode(1, 4), "turbo")
 
 
 def test_op_issue_floor_is_a_positive_time(tiny_model):
-    floor = pdc.op_issue_floor(tiny_model, "decode", repeats=3)
+    floor = forward.op_issue_floor(tiny_model, "decode", repeats=3)
     assert 0 < floor < 1000, f"issuing one tiny step's ops took {floor} ms"
     with pytest.raises(ValueError, match="kind"):
-        pdc.op_issue_floor(tiny_model, "verify")
+        forward.op_issue_floor(tiny_model, "verify")
 
 
 def _points(rows):
@@ -178,17 +180,17 @@ def _points(rows):
 
 
 def test_graph_gain_divides_eager_by_replay():
-    gain = pdc.graph_gain(_points([("d", "decode", 1.0, "eager", 6.0),
-                                   ("d", "decode", 1.0, "graph", 2.0),
-                                   ("p", "prefill", 900.0, "eager", 10.0),
-                                   ("p", "prefill", 900.0, "graph", 10.0)]))
+    gain = bounds.graph_gain(_points([("d", "decode", 1.0, "eager", 6.0),
+                                      ("d", "decode", 1.0, "graph", 2.0),
+                                      ("p", "prefill", 900.0, "eager", 10.0),
+                                      ("p", "prefill", 900.0, "graph", 10.0)]))
     assert list(gain.speedup) == [3.0, 1.0]
 
 
 def test_overhead_share_is_the_floor_over_the_step_and_is_never_clipped():
     points = _points([("d", "decode", 1.0, "eager", 0.5),
                       ("p", "prefill", 900.0, "eager", 20.0)]).assign(floor_ms=1.0)
-    table = pdc.overhead_table(points)
+    table = bounds.overhead_table(points)
     assert list(table.floor_share) == [2.0, 0.05], "a floor above its step is shown, not hidden"
     assert list(table.floor_over_step) == [True, False]
 
@@ -197,10 +199,13 @@ def test_with_replays_an_eager_step_is_bounded_by_the_larger_of_host_and_gpu():
     points = _points([("d", "decode", 1.0, "eager", 12.0), ("d", "decode", 1.0, "graph", 2.0),
                       ("p", "prefill", 900.0, "eager", 25.0),
                       ("p", "prefill", 900.0, "graph", 24.0)]).assign(floor_ms=11.0)
-    table = pdc.overhead_table(points).set_index("shape")
+    table = bounds.overhead_table(points).set_index("shape")
     assert table.model_ms.tolist() == [11.0, 24.0], "max(floor, GPU time), not their sum"
     assert table.bound.tolist() == ["host", "GPU"]
     assert table.model_error["d"] == pytest.approx(12 / 11 - 1)
+    fig = figures.bound_figure(table.reset_index(), "t")
+    assert [t.name for t in fig.data] == ["eager step", "host issue floor", "GPU time (replay)"]
+    assert list(fig.data[0].y) == [12.0, 25.0] and list(fig.data[2].y) == [2.0, 24.0]
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -209,7 +214,7 @@ def _engine(model, **kwargs):
 
 
 def test_latency_sweep_measures_every_case(tiny_model):
-    df = cp.latency_sweep(_engine(tiny_model), [(1, 8), (3, 8)], max_tokens=4)
+    df = latency.latency_sweep(_engine(tiny_model), [(1, 8), (3, 8)], max_tokens=4)
     assert list(df.batch) == [1, 3]
     assert (df.ttft_ms > 0).all() and (df.tpot_ms > 0).all()
     assert (df.ttft_max_ms >= df.ttft_ms).all()
@@ -229,7 +234,7 @@ def test_the_latency_sweep_rehearses_each_case_whole(tiny_model):
         return out
 
     llm.generate = counted
-    df = cp.latency_sweep(llm, [(3, 12)], max_tokens=5, rounds=1)
+    df = latency.latency_sweep(llm, [(3, 12)], max_tokens=5, rounds=1)
     cols = ["num_prefill_tokens", "num_decode_tokens"]
     history = llm.history_table()[cols]
     rehearsal, timed = history.iloc[ends[-3]:ends[-2]], history.iloc[ends[-2]:ends[-1]]
@@ -240,18 +245,20 @@ def test_the_latency_sweep_rehearses_each_case_whole(tiny_model):
 
 def test_latency_sweep_refuses_an_empty_case(tiny_model):
     with pytest.raises(ValueError, match="batch and prompt_len"):
-        cp.latency_sweep(_engine(tiny_model), [(0, 8)])
+        latency.latency_sweep(_engine(tiny_model), [(0, 8)])
 
 
 @pytest.fixture(scope="module")
 def two_runs(tiny_model):
-    on = cp.interference_run(_engine(tiny_model, max_num_batched_tokens=16), num_running=2,
-                             running_tokens=10, long_prompt_len=60, arrive_after_steps=3)
-    off = cp.interference_run(_engine(tiny_model, enable_chunked_prefill=False,
-                                      max_num_batched_tokens=64),
-                              num_running=2, running_tokens=10, long_prompt_len=60,
-                              arrive_after_steps=3)
-    return on, off
+    return cp.interference_pair(tiny_model, num_running=2, running_tokens=10, long_prompt=60,
+                                chunk_budget=16, arrive_after=3)
+
+
+def test_the_pair_runs_chunked_then_whole_each_step_synchronised(two_runs):
+    on, off = two_runs
+    assert (on.chunked, on.budget) == (True, 16)
+    assert (off.chunked, off.budget) == (False, 60 + 2), "room for the prompt beside the decodes"
+    assert not on.async_scheduling and not off.async_scheduling
 
 
 def test_the_untimed_rehearsal_runs_the_same_step_shapes_as_the_timed_run(tiny_model):
@@ -315,9 +322,53 @@ def test_figures_draw_from_the_runs(two_runs):
     assert len(cp.composition_figure(two_runs, "t").data) == 6
 
 
+def is_int(col) -> bool:
+    return pd.api.types.is_integer_dtype(col)
+
+
+def test_the_run_tables_count_in_integers(two_runs):
+    on, off = two_runs
+    steps = cp.step_table(on)
+    assert all(is_int(steps[c]) for c in cp.STEP_COUNTS), steps.dtypes
+    assert steps.graph_batch.isna().all(), "a CPU engine replays no graph: <NA>, not NaN"
+    assert (steps.step_ms == on.step_ms).all()
+    uncounted = dataclasses.replace(off, triton_compiles=None)
+    summary = cp.summary_table([on, uncounted])
+    for col in ("token budget", "steps", "mixed steps", "Triton compiles in the run"):
+        assert is_int(summary[col]), (col, summary[col].dtype)
+    assert pd.isna(summary["Triton compiles in the run"].iloc[1])
+    shown = summary.round(2).to_html() + steps.round(2).to_string()
+    assert ".000000" not in shown and f">{on.budget}<" in shown
+
+
+def test_the_kernel_census_counts_in_integers():
+    gpu = {"kernel_count": 688.0, "launches": 704, "mean_kernel_us": 2.499,
+           "gpu_busy_fraction": 0.121, "events": 3851}
+    cpu = {"top_level_ops": 138, "mean_op_us": 33.0, "cpu_busy_fraction": 0.79}
+    table = bounds.kernel_table({"decode (GPU)": gpu, "decode (CPU)": cpu})
+    assert list(table.columns) == ["kernels", "launches", "mean kernel (us)", "GPU busy",
+                                   "op calls", "mean op (us)", "CPU busy"]
+    assert is_int(table.kernels) and is_int(table["op calls"]) and is_int(table.launches)
+    assert table.kernels.iloc[0] == 688 and pd.isna(table.kernels.iloc[1])
+    shown = table.round(3).to_html() + repr(table.round(3))
+    assert "688" in shown and "688.0" not in shown
+
+
+def test_knee_and_bandwidth_tables_keep_batches_as_integers():
+    knees = cost.knee_table([0, 4096], {"bench_1b": (ModelConfig.bench_1b(), 190.0)})
+    first, last = knees["bench_1b"]
+    assert type(first) is int and last == "never" and is_int(knees.context)
+    points = pd.DataFrame({"shape": ["d1", "d8", "p"], "kind": ["decode", "decode", "prefill"],
+                           "mode": "graph", "batch": [1.0, 8.0, 1.0], "ms": [2.0, 4.0, 9.0],
+                           "bytes": [1e6, 2e6, 3e6], "gbps": [0.5, 0.5, 0.33]})
+    floor = bounds.bandwidth_floor(points, copy_gbps=1.0)
+    assert floor["shape"].tolist() == ["d1", "d8"] and is_int(floor.batch)
+    assert floor["bandwidth floor (ms)"].tolist() == [1.0, 2.0], "bytes over the copy rate"
+
+
 # ----------------------------------------------------------------------------- make record
 def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
-    data = pdc.record("cpu", ModelConfig.tiny(), [pdc.prefill(16), pdc.decode(2, 16)], engine=dict(
+    data = forward.record("cpu", ModelConfig.tiny(), [cost.prefill(16), cost.decode(2, 16)], engine=dict(
         latency_batches=(1, 2), latency_prompt=8, latency_prompts=(4, 16), latency_batch=2,
         max_tokens=3, num_running=2, running_tokens=6, long_prompt=32, chunk_budget=8,
         arrive_after=2, kv_cache_memory=None), rounds=3)
@@ -330,7 +381,7 @@ def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
     fused = pd.DataFrame(data["fused"]["points"])
     assert fused["shape"].tolist() == ["prefill S=16", "decode B=2 ctx 16"]
     assert set(data["fused"]["profiles"]) == {"decode B=2 ctx 16"}
-    gain = pdc.fused_gain(pd.DataFrame(data["points"]), fused, copy_gbps=100.0)
+    gain = bounds.fused_gain(pd.DataFrame(data["points"]), fused, copy_gbps=100.0)
     assert len(gain) == 2 and (gain.ms_fused == fused.ms).all()
     assert (gain.speedup == gain.ms / gain.ms_fused).all(), "speed-up: unfused time / fused"
     assert (gain.share_of_copy_fused == fused.gbps / 100.0).all()
@@ -351,10 +402,26 @@ def test_the_notebook_defaults_are_the_recorded_gpu_sizes():
     cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
     params: dict = {}
     exec("".join(cell["source"]), params)  # the parameters cell is plain assignments
-    recorded = [s.name for s in pdc.GPU_SHAPES]
-    notebook = [pdc.prefill(s).name for s in params["PREFILL_LENS"]] + [
-        pdc.decode(b, params["CONTEXT"]).name for b in params["DECODE_BATCHES"]]
+    recorded = [s.name for s in forward.GPU_SHAPES]
+    notebook = [cost.prefill(s).name for s in params["PREFILL_LENS"]] + [
+        cost.decode(b, params["CONTEXT"]).name for b in params["DECODE_BATCHES"]]
     assert notebook == recorded, "the notebook on a GPU should measure what make record keeps"
+
+
+def test_the_appendix_reads_notebook_07_at_its_sizes():
+    from labkit.tools import NOTEBOOK_DIR
+
+    def parameters(name):
+        nb = json.loads((NOTEBOOK_DIR / name).read_text())
+        cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
+        params: dict = {}
+        exec("".join(cell["source"]), params)  # the parameters cell is plain assignments
+        return {k: v for k, v in params.items() if k.isupper()}
+
+    main, appendix = (parameters(n) for n in ("07_prefill_vs_decode.ipynb",
+                                              "07a_prefill_decode_deep_dives.ipynb"))
+    assert set(appendix) <= set(main), "07a's sizes are a subset of 07's, by the same names"
+    assert {k: main[k] for k in appendix} == appendix, "and the same values"
 
 
 # ----------------------------------------------------------------------------- on a GPU
@@ -366,11 +433,11 @@ def gpu_model():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [pdc.prefill(64), pdc.decode(4, 128)], ids=lambda s: s.kind)
+@pytest.mark.parametrize("shape", [cost.prefill(64), cost.decode(4, 128)], ids=lambda s: s.kind)
 def test_graph_replay_computes_the_eager_logits(gpu_model, shape):
     from labkit.graphs import capture_graph
 
-    step = pdc.forward_step(gpu_model, shape)
+    step = forward.forward_step(gpu_model, shape)
     eager = step()
     graph, out = capture_graph(step)
     graph.replay()
@@ -379,7 +446,7 @@ def test_graph_replay_computes_the_eager_logits(gpu_model, shape):
 
 @pytest.mark.gpu
 def test_graph_replay_speeds_up_a_small_decode_step(gpu_model):
-    gain = pdc.graph_gain(pdc.time_forwards(gpu_model, [pdc.decode(1, 128)], pdc.MODES,
+    gain = bounds.graph_gain(forward.time_forwards(gpu_model, [cost.decode(1, 128)], forward.MODES,
                                             floor=False))
     assert gain.speedup.iloc[0] > 1.3, (
         f"a small decode step should be launch-bound eagerly; replay gave "
@@ -389,6 +456,6 @@ def test_graph_replay_speeds_up_a_small_decode_step(gpu_model):
 def test_shapes_accept_numpy_ints_from_a_table():
     import numpy as np
 
-    from labkit.lessons.prefill_vs_decode.forward import decode
+    from labkit.lessons.prefill_vs_decode.cost import decode
     shape = decode(np.int64(4), np.int64(128))
     assert (shape.batch, shape.context) == (4, 128) and type(shape.batch) is int

@@ -5,9 +5,9 @@ import dataclasses
 import pandas as pd
 import pytest
 
+from labkit.lessons.prefill_vs_decode import bounds
 from labkit.lessons.prefill_vs_decode import chunked_prefill as cp
 from labkit.lessons.prefill_vs_decode import claims as pc
-from labkit.lessons.prefill_vs_decode import forward as pdc
 from labkit.tools import recorded
 
 DECODE = "decode B=1 ctx 1024"
@@ -64,6 +64,15 @@ def test_roofline_claims_hold_on_the_recording_and_fail_when_prefill_stops_risin
         "a ridge of 20 FLOP/B puts the large decode batches right of it")
 
 
+def test_a_ratio_of_counts_is_kept_as_an_int(rec, points):
+    made = pc.batching_claim(points, recorded=rec)
+    assert made.values["per"] == 256 and type(made.values["per"]) is int, made.values
+    eng = rec.data["engine"]
+    latency = pc.latency_claims(pd.DataFrame(eng["by_batch"]), pd.DataFrame(eng["by_prompt"]),
+                                recorded=rec)
+    assert type(latency[1].values["px"]) is int and type(latency[2].values["per"]) is int
+
+
 def test_batching_claim_fails_when_the_big_batch_costs_its_rows(rec, points):
     assert held(pc.batching_claim(points, recorded=rec)) == [True]
     slow = scaled(points, points["shape"] == "decode B=256 ctx 1024", 200)
@@ -98,9 +107,9 @@ def _timed(points, floor):
 def test_bound_claim_holds_for_max_of_host_and_gpu_and_fails_below_it(points):
     eager = points[points["mode"] == "eager"]
     floor = float(eager.ms.min())  # the host floor: about the smallest eager step
-    table = pdc.overhead_table(_timed(points, floor))
+    table = bounds.overhead_table(_timed(points, floor))
     assert held(pc.bound_claims(table)) == [True]
-    assert held(pc.bound_claims(pdc.overhead_table(_timed(points, 3 * floor)))) == [False], (
+    assert held(pc.bound_claims(bounds.overhead_table(_timed(points, 3 * floor)))) == [False], (
         "eager steps well below the floor: the floor measured something else")
 
 
@@ -108,9 +117,9 @@ def test_cpu_bound_claim_fails_when_a_floor_exceeds_its_step():
     points = pd.DataFrame({"shape": ["decode B=1", "prefill S=256"], "kind": ["decode", "prefill"],
                            "flops_per_byte": [0.5, 70.0], "mode": ["eager", "eager"],
                            "ms": [2.2, 23.4], "floor_ms": [0.37, 0.46]})
-    assert held(pc.bound_claims(pdc.overhead_table(points))) == [True]
+    assert held(pc.bound_claims(bounds.overhead_table(points))) == [True]
     over = points.assign(floor_ms=[2.5, 0.46])
-    assert held(pc.bound_claims(pdc.overhead_table(over))) == [False]
+    assert held(pc.bound_claims(bounds.overhead_table(over))) == [False]
 
 
 def test_kernel_claims_hold_on_the_recording_and_fail_when_kernels_outlast_the_host(rec, points):
@@ -125,8 +134,10 @@ def test_kernel_claims_hold_on_the_recording_and_fail_when_kernels_outlast_the_h
     assert held(pc.kernel_claims(prof, 16, eager_ms, recorded=rec,
                                  fused_summary=dict(fused, kernel_count=900)))[1] is False
     cpu = {"top_level_ops": 138}
-    assert held(pc.kernel_claims(cpu, 2, 2.0)) == [True]
-    assert held(pc.kernel_claims({"top_level_ops": 6}, 2, 2.0)) == [False]
+    assert held(pc.kernel_claims(cpu, 2)) == [True], "a CPU's op count needs no eager time"
+    assert held(pc.kernel_claims({"top_level_ops": 6}, 2)) == [False]
+    with pytest.raises(ValueError, match="eager_ms"):
+        pc.kernel_claims(prof, 16, recorded=rec)
 
 
 def test_fused_claim_fails_when_fused_and_plain_are_swapped(rec, points):
@@ -183,12 +194,9 @@ def test_latency_claims_hold_on_the_recording_and_fail_when_cases_are_swapped(re
     assert held(pc.latency_claims(by_batch, same, recorded=rec))[3] is False
 
 
-def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_swapped(rec,
-                                                                                    points):
+def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_swapped(rec):
     on, off = (cp.Interference.from_dict(d) for d in rec.data["engine"]["interference"])
-    gpu = ("prefill S=1024", float(points[(points["shape"] == "prefill S=1024")
-                                          & (points["mode"] == "graph")].ms.iloc[0]))
-    assert held(pc.interference_claims(on, off, recorded=rec, gpu_prefill=gpu)) == [True] * 4
+    assert held(pc.interference_claims(on, off, recorded=rec)) == [True] * 3
     short_stall = cp.Interference(off.chunked, off.budget, off.gaps.assign(
         gap_ms=off.gaps.gap_ms / 10), off.steps, off.long_ttft_ms)
     assert held(pc.interference_claims(on, short_stall, recorded=rec))[0] is False, (
@@ -199,12 +207,20 @@ def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_sw
         duration_ms=on.steps.duration_ms.where(~on.mixed, 0.5)), on.long_ttft_ms, 0, False)
     assert held(pc.interference_claims(no_mix, off, recorded=rec))[2] is False, (
         "mixed steps faster than decode-only ones")
-    assert held(pc.interference_claims(on, off, recorded=rec,
-                                       gpu_prefill=("prefill S=4096", 20.0)))[3] is False
+
+
+def test_chunk_host_claim_holds_on_the_recording_and_fails_when_a_mixed_step_fits_the_gpu(rec,
+                                                                                        points):
+    on = cp.Interference.from_dict(rec.data["engine"]["interference"][0])
+    gpu = bounds.replayed_prefill(points, on.budget)
+    assert gpu[0] == "prefill S=1024", "the shortest replayed prefill at least a chunk long"
+    assert held(pc.chunk_host_claim(on, gpu, recorded=rec)) == [True]
+    assert held(pc.chunk_host_claim(on, ("prefill S=4096", 20.0), recorded=rec)) == [False]
     one_short = on.steps.duration_ms.copy()  # one mixed step within the GPU time: not host-bound
     one_short[on.mixed.idxmax()] = 0.99 * gpu[1]
     gpu_bound = dataclasses.replace(on, steps=on.steps.assign(duration_ms=one_short))
-    assert held(pc.interference_claims(gpu_bound, off, recorded=rec, gpu_prefill=gpu))[3] is False
+    assert held(pc.chunk_host_claim(gpu_bound, gpu, recorded=rec)) == [False]
+    assert bounds.replayed_prefill(points, 10**6) is None, "no prefill that long was replayed"
 
 
 def test_an_async_run_times_steps_between_token_reads_and_a_sync_one_by_duration(rec):
@@ -236,3 +252,20 @@ def test_where_the_arithmetic_sets_the_pace_chunking_keeps_the_long_prompts_ttft
         "host-bound chunks must make the long prompt wait longer")
     assert held(pc.interference_claims(on, off, host_bound=False))[1] is False, (
         "a recorded GPU chunking cost is not 'the same work'")
+
+
+def test_the_recorded_steps_show_their_graph_batch_as_an_integer(rec):
+    on = cp.Interference.from_dict(rec.data["engine"]["interference"][0])
+    steps = cp.step_table(on)
+    assert pd.api.types.is_integer_dtype(steps.graph_batch), steps.dtypes
+    assert steps.graph_batch[on.decode_only].notna().all(), "decode-only steps replay a graph"
+    assert steps.graph_batch[on.mixed].isna().all(), "mixed steps run eagerly: <NA>"
+
+
+def test_the_recorded_kernel_census_reads_688_kernels_not_688_point_0(rec):
+    profiles = {**rec.data["profiles"],
+                f"{DECODE} fused": rec.data["fused"]["profiles"][DECODE]}
+    table = bounds.kernel_table(profiles)
+    assert pd.api.types.is_integer_dtype(table.kernels)
+    assert table.kernels.tolist() == [688, 672, 196]
+    assert "688.0" not in table.round(3).to_html()

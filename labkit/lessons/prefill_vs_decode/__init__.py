@@ -1,3 +1,4 @@
-"""Notebook 07: where a prefill and a decode forward sit on the roofline and what graphs do for
-each (forward); TTFT, TPOT and a long prompt's stall with and without chunked prefill
-(chunked_prefill)."""
+"""Notebook 07 and its appendix 07a: what a prefill and a decode step cost from their shapes
+(cost), the real forward timed eagerly and replayed (forward), what bounds each measured step
+(bounds) and their figures; TTFT and TPOT from the engine (latency); a long prompt's stall with
+and without chunked prefill (chunked_prefill); the claims made from all of them (claims)."""

@@ -1,22 +1,17 @@
-"""What prefill and decode cost a user of the engine: TTFT, TPOT, and the stall a long prompt
-causes to everyone already decoding, with and without chunked prefill.
+"""The stall a long prompt causes to everyone already decoding, with and without chunked
+prefill. Without chunking, the prompt is prefilled in one step, and every running request waits
+for that whole step before its next token. Chunked prefill cuts the prompt into pieces that fit
+a small token budget beside the decodes, so each step stays short (mixed steps: some prefill
+tokens, some decode tokens), and the long prompt shares every step it needs.
 
-* TTFT (time to first token) is the wait for a request's prefill: it grows with its prompt and
-  with every prompt ahead of it in the step budget. TPOT (time per output token) is the decode
-  step time, shared by all running requests: it grows slowly with the batch while decode stays
-  memory-bound.
-* Without chunking, a long prompt is prefilled in one step, and every running request waits
-  for that whole step before its next token: a stall. Chunked prefill cuts the prompt into
-  pieces that fit a small token budget beside the decodes, so each step stays short (mixed
-  steps: some prefill tokens, some decode tokens).
-
-Every function drives a real :class:`~labkit.engine.LLM` through ``generate`` or
-``add_request`` + ``step``; ``record_engine`` runs them at H200 sizes for
+Every function drives a real :class:`~labkit.engine.LLM` through ``add_request`` + ``step``;
+``record_engine`` runs these and ``latency.latency_sweep`` at H200 sizes for
 ``forward.record``.
 """
 from __future__ import annotations
 
-import random
+import gc
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,92 +20,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.measure.bench import TritonCompiles
 from labkit.engine import LLM, SamplingParams
+from labkit.lessons.prefill_vs_decode.latency import latency_sweep, random_prompts, warm_up
+from labkit.measure.bench import TritonCompiles
 from labkit.tools.recorded import json_columns
-
-
-def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``num`` prompts of ``length`` token ids; distinct seeds give prompts the prefix cache
-    cannot serve, so every measurement pays its full prefill."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(num)]
-
-
-def _warm_up(llm: LLM) -> None:
-    """A small request first: first-call costs (allocations, lazy set-up) are not measured."""
-    llm.generate(random_prompts(2, 8, llm.config.vocab_size, -1), SamplingParams(max_tokens=3))
-
-
-def latency_sweep(llm: LLM, cases: Sequence[tuple[int, int]], max_tokens: int = 16,
-                  seed: int = 0, rounds: int = 3, rehearse: bool = True) -> pd.DataFrame:
-    """For each (batch, prompt_len): ``batch`` requests arriving at once; mean and worst TTFT,
-    mean TPOT (ms), each the median over ``rounds`` interleaved rounds (every case once per
-    round, fresh token ids each time) with its range (``_low``/``_high``); ``prefill_steps``,
-    the engine steps that computed prompt tokens (the schedule TTFT waits for); and the Triton
-    compiles that still happened inside the timed runs (0 under the interpreter; ``compiled``
-    names the kernels). Every case runs once untimed first, whole (other token ids, as many
-    tokens out): a GPU compiles Triton kernel variants for new shapes on first use, and a TTFT
-    must not include a compile. A shorter rehearsal is not enough: with two tokens out, requests
-    never decode together in the step shapes of the timed run. ``rehearse=False`` skips it
-    where nothing compiles (Triton's interpreter)."""
-    bad = [(n, c) for n, c in enumerate(cases) if min(c) < 1]
-    if bad:
-        raise ValueError(f"case {bad[0][0]}: batch and prompt_len must be >= 1, got {bad[0][1]}")
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    vocab = llm.config.vocab_size
-    _warm_up(llm)
-    for n, (batch, prompt_len) in enumerate(cases if rehearse else ()):
-        llm.generate(random_prompts(batch, prompt_len, vocab, -2 - n),
-                     SamplingParams(max_tokens=max_tokens))
-    runs: dict[int, list[dict]] = {n: [] for n in range(len(cases))}
-    for r in range(rounds):
-        for n, (batch, prompt_len) in enumerate(cases):
-            first = len(llm.step_history)
-            with TritonCompiles() as compiles:
-                outs = llm.generate(random_prompts(batch, prompt_len, vocab,
-                                                   seed + n + 1000 * r),
-                                    SamplingParams(max_tokens=max_tokens))
-            bad = [o.error for o in outs if not o.ok]
-            if bad:
-                raise ValueError(f"case (batch {batch}, prompt {prompt_len}) was refused: "
-                                 f"{bad[0]}")
-            steps = [h.stats for h in llm.step_history[first:]]
-            ttft = pd.Series([o.ttft_s for o in outs]) * 1e3
-            tpot = pd.Series([o.tpot_s for o in outs if o.tpot_s is not None]) * 1e3
-            runs[n].append({"ttft_ms": ttft.mean(), "ttft_max_ms": ttft.max(),
-                            "tpot_ms": tpot.mean() if len(tpot) else float("nan"),
-                            "prefill_steps": sum(s.num_prefill_tokens > 0 for s in steps),
-                            "compiles": compiles.count, "kernels": list(compiles.kernels)})
-    rows = []
-    for n, (batch, prompt_len) in enumerate(cases):
-        per_round = pd.DataFrame(runs[n])
-        row = {"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens,
-               "rounds": rounds}
-        for col in ("ttft_ms", "ttft_max_ms", "tpot_ms"):
-            stem = col[:-3]
-            row.update({col: per_round[col].median(), f"{stem}_low_ms": per_round[col].min(),
-                        f"{stem}_high_ms": per_round[col].max()})
-        row.update({"prefill_steps": int(per_round.prefill_steps.max()),
-                    "triton_compiles": int(per_round.compiles.sum()),
-                    "compiled": ", ".join(sorted({k for ks in per_round.kernels for k in ks}))})
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def latency_figure(df: pd.DataFrame, x: str, title: str) -> go.Figure:
-    """TTFT (mean and worst request) and TPOT over ``x`` ("batch" or "prompt_len")."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT (ms)", "TPOT (ms)"))
-    d = df.sort_values(x)
-    fig.add_scatter(x=d[x], y=d.ttft_ms, mode="lines+markers", name="TTFT, mean", row=1, col=1)
-    fig.add_scatter(x=d[x], y=d.ttft_max_ms, mode="lines+markers", name="TTFT, worst request",
-                    line=dict(dash="dot"), row=1, col=1)
-    fig.add_scatter(x=d[x], y=d.tpot_ms, mode="lines+markers", name="TPOT, mean", row=1, col=2)
-    label = {"batch": "requests arriving together", "prompt_len": "prompt tokens"}.get(x, x)
-    fig.update_xaxes(title_text=label, type="log")
-    fig.update_yaxes(rangemode="tozero")
-    return fig.update_layout(title=title, height=400)
 
 
 @dataclass
@@ -124,8 +37,8 @@ class Interference:
     long_ttft_ms: float
     triton_compiles: int | None = None  # during the timed run (None: not counted)
     # Async scheduling launches step N+1 before it reads step N's tokens, so a step's
-    # launch-to-tokens span then covers its neighbour's launch too (a recording made before
-    # the flag existed ran the engine's CUDA default: async).
+    # launch-to-tokens span then covers its neighbour's launch too (a recording without the
+    # flag ran the engine's CUDA default: async).
     async_scheduling: bool = True
 
     def to_dict(self) -> dict:
@@ -220,7 +133,7 @@ def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int 
     sched = llm.scheduler.config
     shape = (num_running, running_prompt_len, running_tokens, long_prompt_len,
              arrive_after_steps)
-    _warm_up(llm)
+    warm_up(llm)
     _scenario(llm, *shape, seed=seed + 1000)  # the rehearsal
     first_step = len(llm.step_history)
     with TritonCompiles() as compiles:
@@ -237,15 +150,31 @@ def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int 
 
 
 def summary_table(runs: Sequence[Interference]) -> pd.DataFrame:
-    return pd.DataFrame([{
+    """One row per run: the running requests' gaps, the long prompt's TTFT and the steps. The
+    counts (token budget, steps, compiles, mixed steps) are integer columns; a run that did not
+    count its compiles shows <NA>."""
+    table = pd.DataFrame([{
         "chunked prefill": "on" if r.chunked else "off", "token budget": r.budget,
         "steady gap (ms)": r.steady_gap_ms, "gap during the prefill (ms)": r.prefill_gap_ms,
         "worst gap after arrival (ms)": r.worst_gap_ms,
         "long prompt TTFT (ms)": r.long_ttft_ms, "steps": len(r.steps),
         "Triton compiles in the run": r.triton_compiles, "mixed steps": int(r.mixed.sum()),
-        "median mixed step (ms)": r.step_ms[r.mixed].median() if r.mixed.any() else None,
+        "median mixed step (ms)": r.step_ms[r.mixed].median() if r.mixed.any() else math.nan,
         "median decode-only step (ms)": r.step_ms[r.decode_only].median(),
         "async scheduling": r.async_scheduling} for r in runs])
+    return table.astype({"token budget": int, "steps": int, "mixed steps": int,
+                         "Triton compiles in the run": "Int64"})
+
+
+STEP_COUNTS = ("num_prefill_tokens", "num_decode_tokens", "num_running", "graph_batch")
+
+
+def step_table(run: Interference) -> pd.DataFrame:
+    """The run's steps as ``llm.history_table()`` gave them: each step's prompt and decode
+    tokens, the requests running, the graph batch a replayed step used (<NA>: run eagerly) and
+    its time (``Interference.step_ms``). The counts are integer columns."""
+    counts = {c: run.steps[c].astype("Int64") for c in STEP_COUNTS if c in run.steps}
+    return pd.DataFrame(counts).assign(step_ms=run.step_ms)
 
 
 def gaps_figure(runs: Sequence[Interference], title: str) -> go.Figure:
@@ -287,33 +216,45 @@ def composition_figure(runs: Sequence[Interference], title: str) -> go.Figure:
     return fig.update_layout(title=title, barmode="stack", height=300 * len(runs) + 120)
 
 
+def interference_pair(model, *, num_running: int = 4, running_tokens: int = 32,
+                      long_prompt: int = 512, chunk_budget: int = 64, arrive_after: int = 4,
+                      kv_cache_memory: int | None = None) -> list[Interference]:
+    """``interference_run`` on two engines over ``model``: chunked prefill on with a budget of
+    ``chunk_budget`` tokens, then off with a budget that holds the whole prompt beside the
+    decodes. Both run without async scheduling, which would launch step N+1 before reading
+    step N's tokens: synchronised, each step is timed from its start to its tokens."""
+    runs = []
+    for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running)):
+        gc.collect()  # free the previous engine (and its KV cache) before making the next
+        llm = LLM(model, enable_prefix_caching=False, enable_chunked_prefill=chunked,
+                  max_num_batched_tokens=budget, max_num_seqs=num_running + 1,
+                  kv_cache_memory=kv_cache_memory, async_scheduling=False)
+        runs.append(interference_run(llm, num_running=num_running,
+                                     running_tokens=running_tokens, long_prompt_len=long_prompt,
+                                     arrive_after_steps=arrive_after))
+        del llm
+    return runs
+
+
 def record_engine(model, *, latency_batches: Sequence[int] = (1, 4, 16, 64),
                   latency_prompt: int = 512, latency_prompts: Sequence[int] = (
                       128, 512, 1024, 2048, 3072), latency_batch: int = 4, max_tokens: int = 32,
                   num_running: int = 16, running_tokens: int = 64, long_prompt: int = 3584,
                   chunk_budget: int = 512, arrive_after: int = 8,
                   kv_cache_memory: int | None = 8 * 2**30, rounds: int = 3) -> dict:
-    """The engine half of ``prefill_vs_decode.record``: TTFT/TPOT sweeps (one LLM, default
-    token budget, ``rounds`` interleaved rounds), then the interference run with chunked
-    prefill on and off (an LLM each, async scheduling off so each step's time is its own), all
-    on ``model``. Defaults: the H200 sizes for bench_1b."""
-    import gc
-
-    def engine(**kwargs) -> LLM:
-        gc.collect()  # free the previous engine (and its KV cache) before making the next
-        return LLM(model, enable_prefix_caching=False, kv_cache_memory=kv_cache_memory, **kwargs)
-
-    llm = engine(max_num_seqs=max(*latency_batches, latency_batch))
+    """The engine half of ``forward.record``: TTFT/TPOT sweeps (one LLM, default token budget,
+    ``rounds`` interleaved rounds), then ``interference_pair``, all on ``model``. Defaults: the
+    H200 sizes for bench_1b."""
+    llm = LLM(model, enable_prefix_caching=False, kv_cache_memory=kv_cache_memory,
+              max_num_seqs=max(*latency_batches, latency_batch))
     by_batch = latency_sweep(llm, [(b, latency_prompt) for b in latency_batches], max_tokens,
                              rounds=rounds)
     by_prompt = latency_sweep(llm, [(latency_batch, n) for n in latency_prompts], max_tokens,
                               seed=100, rounds=rounds)
     del llm
-    runs = [interference_run(engine(enable_chunked_prefill=chunked, max_num_batched_tokens=budget,
-                                    max_num_seqs=num_running + 1, async_scheduling=False),
-                             num_running=num_running, running_tokens=running_tokens,
-                             long_prompt_len=long_prompt, arrive_after_steps=arrive_after)
-            for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running))]
+    runs = interference_pair(model, num_running=num_running, running_tokens=running_tokens,
+                             long_prompt=long_prompt, chunk_budget=chunk_budget,
+                             arrive_after=arrive_after, kv_cache_memory=kv_cache_memory)
     return {"by_batch": by_batch.to_dict(orient="list"),
             "by_prompt": by_prompt.to_dict(orient="list"),
             "interference": [r.to_dict() for r in runs]}

@@ -1,10 +1,10 @@
-"""What notebook 07 claims: every sentence that states a measured fact, computed from the
-tables that ``forward`` and ``chunked_prefill`` produce and checked against them.
+"""What notebooks 07 and 07a claim: every sentence that states a measured fact, computed from
+the tables of ``forward``, ``bounds``, ``latency`` and ``chunked_prefill`` and checked by them.
 
-Each function takes the tables (live, or rebuilt from the recording with ``recorded=`` the
-recording they came from) and returns its claims. A time with a range comes from interleaved
-rounds (``_low``/``_high`` columns); a table without them (an older recording) reads as one
-round, its range the value itself. A condition holds only when the whole range clears it.
+Each function takes the tables (live, or from the recording, ``recorded=`` the recording) and
+returns its claims. A time with a range comes from interleaved rounds (``_low``/``_high``
+columns); a table without them reads as one round. A condition holds only when the whole range
+clears it.
 """
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def _timed(points: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     if "graph" in set(points["mode"]):
         return points[points["mode"] == "graph"], "replayed from a graph (GPU time)"
     return points[points["mode"] == "eager"], "launched eagerly"
+
+
+def _times(a, b) -> int | float:
+    """``a / b`` of two counts (rows, tokens), an int where whole: 16, not np.float64(16.0)."""
+    a, b = int(a), int(b)
+    return a // b if a % b == 0 else a / b
 
 
 def _pct(values: Sequence[float]) -> str:
@@ -96,7 +102,7 @@ def batching_claim(points: pd.DataFrame, *, device: str | None = None, recorded=
     timed, how = _timed(points)
     dec = timed[timed.kind == "decode"].sort_values("batch")
     small, big = dec.iloc[0], dec.iloc[-1]
-    per = big.batch / small.batch
+    per = _times(big.batch, small.batch)
     return claim("A decode step of {b1} rows takes {ms1:.3g} ms{where} ({how}), against {ms0:.3g} "
                  "ms for {b0} row(s): {x:.1f}x the time for {per:.0f}x the rows, since the rows "
                  "share one read of the weights.",
@@ -139,7 +145,7 @@ def graph_claims(points: pd.DataFrame, *, device: str | None = None, recorded=No
 
 def bound_claims(overhead: pd.DataFrame, *, device: str | None = None, recorded=None,
                  slack: float = 0.8) -> list:
-    """What bounds an eager step (``forward.overhead_table``). With GPU time (replays): no eager
+    """What bounds an eager step (``bounds.overhead_table``). With GPU time (replays): no eager
     step beats max(issue floor, GPU time) by more than ``1 - slack`` of it, and the floor is
     the larger term for the small steps. Without (a CPU): the floor is part of every step
     (never above it), a larger share of the smallest decode than of the longest prefill."""
@@ -167,12 +173,13 @@ def bound_claims(overhead: pd.DataFrame, *, device: str | None = None, recorded=
         shp=float(p.floor_share), top=float(overhead.floor_share.max()), recorded=recorded)]
 
 
-def kernel_claims(summary: dict, num_layers: int, eager_ms: float, *, device: str | None = None,
-                  recorded=None, fused_summary: dict | None = None) -> list:
+def kernel_claims(summary: dict, num_layers: int, eager_ms: float | None = None, *,
+                  device: str | None = None, recorded=None, fused_summary: dict | None = None
+                  ) -> list:
     """From the profiler's summary of one eager decode step: on a GPU, its kernels per layer,
-    the host time per kernel (the unprofiled eager step over its kernel count) against a
-    kernel's own GPU time, and how busy the GPU was; with ``fused_summary``, how many kernels
-    the fused layer ops leave. On a CPU: its top-level op calls per layer."""
+    the host time per kernel (``eager_ms``, the unprofiled eager step, over its kernel count)
+    against a kernel's own GPU time, and how busy the GPU was; with ``fused_summary``, how many
+    kernels the fused layer ops leave. On a CPU: its top-level op calls per layer."""
     where = _on(recorded, device)
     if "kernel_count" not in summary:
         ops = summary["top_level_ops"]
@@ -181,6 +188,8 @@ def kernel_claims(summary: dict, num_layers: int, eager_ms: float, *, device: st
                       "included): a layer is many more ops than its four matmuls.",
                       bool(ops / num_layers > 4), where=where, ops=ops, L=num_layers,
                       per=ops / num_layers)]
+    if eager_ms is None:
+        raise ValueError("a GPU profile's claim needs eager_ms, the unprofiled eager step's time")
     k = summary["kernel_count"]
     host_us = eager_ms * 1e3 / k
     made = [
@@ -278,9 +287,9 @@ def latency_claims(by_batch: pd.DataFrame, by_prompt: pd.DataFrame, *,
               t1lo=_range(p1, "ttft_ms")[0], t1hi=_range(p1, "ttft_ms")[1],
               t0=float(p0.ttft_ms), t0lo=_range(p0, "ttft_ms")[0], t0hi=_range(p0, "ttft_ms")[1],
               l0=int(p0.prompt_len), x=float(p1.ttft_ms / p0.ttft_ms),
-              px=p1.prompt_len / p0.prompt_len, recorded=recorded)]
+              px=_times(p1.prompt_len, p0.prompt_len), recorded=recorded)]
     tpot_hi = _range(b1, "tpot_ms")[1] / _range(b0, "tpot_ms")[0]
-    per = b1.batch / b0.batch
+    per = _times(b1.batch, b0.batch)
     made.append(claim(
         "TPOT{where} grows {x:.1f}x (at most {hi:.1f}x over the rounds) from {n0} to {n1} "
         "requests, {per:.0f}x the rows: {t0:.2f} -> {t1:.2f} ms per token.",
@@ -301,22 +310,19 @@ def latency_claims(by_batch: pd.DataFrame, by_prompt: pd.DataFrame, *,
 
 # ----------------------------------------------------------------------- part 4: chunked prefill
 def interference_claims(on, off, *, device: str | None = None, recorded=None,
-                        gpu_prefill: tuple[str, float] | None = None,
                         host_bound: bool | None = None) -> list:
     """``on``/``off``: the two ``Interference`` runs. The whole prompt in one step stalls the
     running requests longer than the chunked steps' median gap (the ratio says by how much:
-    little where the chunks are host-bound), chunking costs the long prompt TTFT,
-    the mixed steps outlast the decode-only ones; with ``gpu_prefill`` (a replayed prefill's
-    name and GPU ms, at least the chunk's tokens: an upper bound on a chunk's GPU time) every
-    mixed step takes longer than it: the rest of the step is the host's. ``host_bound``: whether the runs' steps are host-bound (a GPU's; by default,
-    where a GPU prefill or a GPU recording is given)."""
+    little where the chunks are host-bound), chunking costs the long prompt TTFT, and the mixed
+    steps outlast the decode-only ones. ``host_bound``: whether the runs' steps are host-bound
+    (a GPU's; by default, where they come from a GPU recording)."""
     where = _on(recorded, device)
     if host_bound is None:
-        host_bound = gpu_prefill is not None or recorded is not None
+        host_bound = recorded is not None
     mixed, dec = on.step_ms[on.mixed], on.step_ms[on.decode_only]
     timing = "synchronised" if not on.async_scheduling else \
         "the interval between token reads (async scheduling)"
-    made = [
+    return [
         claim("Without chunking the running requests' worst gap between tokens is {w:.1f} ms"
               "{where}, {x:.1f}x the median gap while the prompt is chunked ({c:.1f} ms): one "
               "step holds all {n:,} prompt tokens and everyone waits for it, longer than for a "
@@ -331,20 +337,27 @@ def interference_claims(on, off, *, device: str | None = None, recorded=None,
               n=int(on.mixed.sum()), where=where, m=float(mixed.median()),
               mlo=float(mixed.min()), mhi=float(mixed.max()), d=float(dec.median()),
               timing=timing, recorded=recorded)]
-    if gpu_prefill is not None:
-        name, gpu_ms = gpu_prefill
-        made.append(claim(
-            "A mixed step of at most {budget} tokens takes {m:.1f} ms{where} ({mlo:.1f}-{mhi:.1f} "
-            "over the {n} steps), {x:.2f}x the GPU time of a replayed {name} ({g:.2f} ms), a "
-            "prefill of at least as many tokens: every mixed step outlasts the GPU work it "
-            "holds, so at least {host:.0%} of it is the host issuing the eager ops, a cost a "
-            "smaller chunk does not shrink.",
-            bool(len(mixed) > 0 and mixed.min() > gpu_ms), budget=on.budget,
-            m=float(mixed.median()), mlo=float(mixed.min()), mhi=float(mixed.max()),
-            n=int(on.mixed.sum()), where=where, x=float(mixed.median() / gpu_ms), name=name,
-            g=gpu_ms, host=float(1 - gpu_ms / mixed.min()) if len(mixed) else 0.0,
-            recorded=recorded))
-    return made
+
+
+def chunk_host_claim(on, gpu_prefill: tuple[str, float], *, device: str | None = None,
+                     recorded=None):
+    """``on``: the chunked ``Interference`` run; ``gpu_prefill``: a replayed prefill's name and
+    GPU ms, at least the chunk's tokens (``bounds.replayed_prefill``: an upper bound on a
+    chunk's GPU time). Every mixed step takes longer than it: the rest of the step is the
+    host's."""
+    name, gpu_ms = gpu_prefill
+    mixed = on.step_ms[on.mixed]
+    return claim(
+        "A mixed step of at most {budget} tokens takes {m:.1f} ms{where} ({mlo:.1f}-{mhi:.1f} "
+        "over the {n} steps), {x:.2f}x the GPU time of a replayed {name} ({g:.2f} ms), a "
+        "prefill of at least as many tokens: every mixed step outlasts the GPU work it "
+        "holds, so at least {host:.0%} of it is the host issuing the eager ops, a cost a "
+        "smaller chunk does not shrink.",
+        bool(len(mixed) > 0 and mixed.min() > gpu_ms), budget=on.budget,
+        m=float(mixed.median()), mlo=float(mixed.min()), mhi=float(mixed.max()),
+        n=int(on.mixed.sum()), where=_on(recorded, device), x=float(mixed.median() / gpu_ms),
+        name=name, g=gpu_ms, host=float(1 - gpu_ms / mixed.min()) if len(mixed) else 0.0,
+        recorded=recorded)
 
 
 SAME_WORK = 1.5  # chunked/whole TTFT within this factor: the same work, split or not
@@ -370,19 +383,14 @@ def _long_ttft_claim(on, off, where: str, *, host_bound: bool, recorded=None):
 
 def missing(data: dict, fields: Sequence[str]) -> list[str]:
     """The dotted ``fields`` (``points.floor_ms``) a recording lacks."""
-    out = []
-    for f in fields:
-        node = data
-        for part in f.split("."):
-            if not isinstance(node, dict) or part not in node:
-                out.append(f)
-                break
-            node = node[part]
-    return out
+    def has(node, parts):
+        return not parts or (isinstance(node, dict) and parts[0] in node
+                             and has(node[parts[0]], parts[1:]))
+    return [f for f in fields if not has(data, f.split("."))]
 
 
 def knee_claim(knees: dict, ridge: float, *, device: str | None = None, recorded=None):
-    """``knees``: context -> ``forward.knee_batch`` at ``ridge`` (None: never). With the weights
+    """``knees``: context -> ``cost.knee_batch`` at ``ridge`` (None: never). With the weights
     alone (context 0) decode reaches the ridge at some batch; at the longest context it never
     does."""
     longest = max(knees)
