@@ -64,6 +64,9 @@ SEQUENCE = [
      "-", "everything runs live"),
     ("06_attention_backends", "IO tiling, paged decode in Triton, backend selection, roofline",
      "kernel speed", "Triton interpreter for correctness, recorded speeds"),
+    ("06a_attention_deep_dives", "TMA loads, L2 reuse, registry vs bare kernel, fp8 SASS and "
+     "accuracy, block sizes", "kernel speed",
+     "sm_90 SASS compiled here, fp8 accuracy live, recorded H200 speeds"),
     ("07_prefill_vs_decode", "compute- vs memory-bound, TTFT/TPOT, chunked prefill",
      "roofline points", "tiny model live, recorded GPU points"),
     ("08_putting_it_together", "continuous batching engine; backend x eager/graph experiment",
