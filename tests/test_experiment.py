@@ -1,6 +1,7 @@
-"""The controlled experiment (labkit.lessons.putting_it_together.experiment) and the engine-step views beside it
-(labkit.lessons.putting_it_together.engine_steps): the table's shape, refusals as rows, padding counted as the scheduler
-counts it, and record() on tiny sizes."""
+"""The controlled experiment (labkit.lessons.putting_it_together.experiment), the engine's steps
+on a timeline (engine_steps) and their padding to graph buckets (padding): the table's shape,
+refusals as rows, counts as integers, padding counted as the scheduler counts it, and record()
+on tiny sizes."""
 import json
 import math
 
@@ -13,6 +14,7 @@ from labkit.attention import BACKENDS
 from labkit.engine import LLM, ModelConfig, random_model
 from labkit.lessons.putting_it_together import engine_steps as steps
 from labkit.lessons.putting_it_together import experiment as ex
+from labkit.lessons.putting_it_together import padding
 from labkit.measure.profile import EVENT_COLUMNS, Trace
 
 CPU = torch.device("cpu")
@@ -35,6 +37,35 @@ def test_the_table_has_every_backend_and_auto_in_both_modes(cpu_experiment):
     assert sorted(zip(t.backend, t["mode"])) == sorted(
         (b, m) for b in [*BACKENDS, "auto"] for m in ex.MODES), \
         "every backend and auto, eager and graph, one row each: none dropped"
+
+
+def test_the_tables_counts_are_integers_with_na_where_a_row_did_not_run(cpu_experiment):
+    t = cpu_experiment.table
+    for col in ex.COUNTS:
+        assert str(t[col].dtype) == "Int64", f"{col} is a count, got {t[col].dtype}"
+    shown = ex.compact(t)
+    assert all(str(shown[c].dtype) == "Int64" for c in ("rounds", "steps", "graph_steps",
+                                                         "padded_rows", "first_token_ties"))
+    ran = shown[shown.status == "ran"]
+    assert f" {int(ran.steps.iloc[0])} " in ran.to_string() and ".0 " not in \
+        ran[["steps", "graph_steps", "padded_rows"]].to_string(), "45, never 45.0"
+    assert t[t.status != "ran"].steps.isna().all(), "a row that did not run counts nothing"
+    back = ex.Experiment.from_dict(json.loads(json.dumps(cpu_experiment.to_dict())))
+    assert str(back.table.steps.dtype) == "Int64" and back.table.steps.equals(t.steps), \
+        "a recording read back (JSON floats) shows its counts as integers too"
+    with pytest.raises((TypeError, ValueError)):
+        ex.with_counts(t.assign(steps=t.steps.astype(float) + 0.5))  # a count that is not whole
+
+
+def test_padding_tables_count_in_integers():
+    costs = padding.bucket_costs([3, 5, 5, 2], {"a": (2, 8), "b": (8,)},
+                                 pd.DataFrame({"batch": [1, 8], "eager_ms": [9.0, 9.0],
+                                               "graph_ms": [1.0, 1.5]}))
+    assert all(costs[c].dtype == "int64" for c in padding.COUNTS), costs.dtypes
+    per_step = padding.step_padding([3, 5, 9], (2, 8))
+    assert per_step.to_dict("list") == {"batch": [3, 5], "bucket": [8, 8], "padded": [5, 3]}, \
+        "a batch above every bucket runs eagerly: no row"
+    assert all(per_step[c].dtype == "int64" for c in per_step)
 
 
 def test_a_row_that_did_not_run_says_why(cpu_experiment):
@@ -111,25 +142,33 @@ def test_the_simulated_schedule_is_the_engines_schedule(tiny_model):
     llm = LLM(tiny_model, backend="sdpa", **ex.engine_options(SMALL))
     llm.generate(*SMALL.requests(tiny_model.config.vocab_size))
     engine = llm.history_table()
-    sim = steps.simulate_schedule(SMALL)
+    sim = padding.simulate_schedule(SMALL)
     cols = ["num_prefill_tokens", "num_decode_seqs", "num_prefill_seqs"]
     assert engine[cols].equals(sim[cols]), "the scheduler alone must plan the engine's steps"
 
 
 def test_padded_rows_counted_from_decode_batches_equal_the_schedulers():
     w = ex.Workload(num_requests=12, prompt_len=(4, 40), output_len=(2, 30), seed=5)
-    seen = steps.decode_batches(steps.simulate_schedule(w))
-    costs = steps.bucket_costs(seen, steps.bucket_sets(seen)).set_index("buckets")
-    for name, buckets in steps.bucket_sets(seen).items():
-        reported = steps.simulate_schedule(w, buckets).padded_rows.sum()
+    seen = padding.decode_batches(padding.simulate_schedule(w))
+    costs = padding.bucket_costs(seen, padding.bucket_sets(seen)).set_index("buckets")
+    for name, buckets in padding.bucket_sets(seen).items():
+        reported = padding.simulate_schedule(w, buckets).padded_rows.sum()
         assert costs.loc[name, "padded_rows"] == reported, (name, buckets)
     assert costs.loc["one per size", "padded_rows"] == 0
     assert 0 < costs.loc["powers of two", "padded_rows"] < costs.loc["max only", "padded_rows"]
 
 
+def test_vllm_sizes_are_1_2_4_then_every_8_to_256_then_every_16_cut_at_the_largest_batch():
+    assert padding.vllm_sizes(3) == (1, 2, 4)
+    assert padding.vllm_sizes(20) == (1, 2, 4, 8, 16, 24)
+    sizes = padding.vllm_sizes(300)
+    assert sizes[-3:] == (272, 288, 304) and 248 in sizes and 252 not in sizes
+    assert set(padding.bucket_sets([1, 7, 20])) >= {"vLLM default sizes", "powers of two"}
+
+
 def test_bucket_costs_price_padding_and_gain_from_step_times():
     times = pd.DataFrame({"batch": [1, 8], "eager_ms": [10.0, 10.0], "graph_ms": [1.0, 1.7]})
-    costs = steps.bucket_costs([3], {"exact": (3,), "padded": (8,)}, times).set_index("buckets")
+    costs = padding.bucket_costs([3], {"exact": (3,), "padded": (8,)}, times).set_index("buckets")
     # graph time interpolates 1.0 + 0.1 per row: batch 3 -> 1.2 ms, padded to 8 -> 1.7 ms
     assert costs.loc["exact", "padding_ms"] == pytest.approx(0.0)
     assert costs.loc["padded", "padded_rows"] == 5
@@ -176,13 +215,13 @@ def test_a_cpu_trace_has_one_annotation_per_engine_step(tiny_model):
 
 def test_decode_step_times_on_cpu_time_eager_only(tiny_model):
     llm = LLM(tiny_model, enforce_eager=True, num_blocks=4, max_num_seqs=4, max_model_len=48)
-    times = steps.decode_step_times(llm, [1, 3], context_len=40, repeats=2)
+    times = padding.decode_step_times(llm, [1, 3], context_len=40, repeats=2)
     assert list(times.batch) == [1, 3] and (times.eager_ms > 0).all()
     assert (times.eager_low_ms <= times.eager_ms).all() and (times.eager_ms <= times.eager_high_ms).all()
     assert all(len(r) == 3 for r in times.eager_rounds_ms), "three interleaved rounds per case"
     assert times.graph_ms.isna().all(), "no graphs without CUDA"
     with pytest.raises(ValueError, match="context_len 80 needs 5 blocks"):
-        steps.decode_step_times(llm, [1], context_len=80)
+        padding.decode_step_times(llm, [1], context_len=80)
 
 
 def test_record_with_tiny_sizes_on_cpu_is_json_and_round_trips():
@@ -205,8 +244,8 @@ def test_record_with_tiny_sizes_on_cpu_is_json_and_round_trips():
 def test_figures_draw_from_a_table_and_from_costs(cpu_experiment):
     fig = ex.experiment_figure(cpu_experiment.table, "t")
     assert len(fig.data) == 2 and len(fig.data[0].x) == len(cpu_experiment.table)
-    costs = steps.bucket_costs([1, 3, 3], {"a": (1, 4), "b": (4,)})
-    assert len(steps.bucket_figure(costs, "t").data) == 1
+    costs = padding.bucket_costs([1, 3, 3], {"a": (1, 4), "b": (4,)})
+    assert len(padding.bucket_figure(costs, "t").data) == 1
     shown = ex.compact(cpu_experiment.table)
     assert "reason" in shown and len(shown) == len(cpu_experiment.table)
 
@@ -215,7 +254,7 @@ def test_figures_draw_from_a_table_and_from_costs(cpu_experiment):
 @pytest.mark.gpu
 def test_gpu_graph_rows_pad_as_the_scheduler_reports_and_refusals_say_why():
     w = ex.Workload(num_requests=8, prompt_len=(8, 64), output_len=(2, 24), seed=5)
-    assert steps.simulate_schedule(w, (1, 2, 4, 8)).padded_rows.sum() > 0, "workload must pad"
+    assert padding.simulate_schedule(w, (1, 2, 4, 8)).padded_rows.sum() > 0, "workload must pad"
     model = random_model(ModelConfig.tiny(), seed=0, device=torch.device("cuda"),
                          dtype=torch.float16)
     t = ex.run_experiment(model, w, backends=["triton", "sdpa", "reference", "auto"],

@@ -1,5 +1,5 @@
-"""Notebook 08's claims (labkit.lessons.putting_it_together.claims) and the measurements under
-them: each claim holds on the committed recording, on a live CPU run or on a synthetic input
+"""Notebook 08's claims (labkit.lessons.putting_it_together.claims), notebook 08a's padding
+claims (padding_claims) and the measurements under them: each claim holds on the committed recording, on a live CPU run or on a synthetic input
 that stands for the GPU case, and fails when the input is perturbed (two timings swapped, a
 bound exceeded, a row that did not pass). Also the warm-up and first-token computations the
 experiment's table rests on."""
@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import labkit  # noqa: F401  (interpreter on before triton is imported, where there is no GPU)
-from labkit.engine import ModelConfig, random_model
+from labkit.engine import LLM, ModelConfig, random_model
 from labkit.lessons.putting_it_together import claims as pc
 from labkit.lessons.putting_it_together import engine_steps as steps
 from labkit.lessons.putting_it_together import experiment as ex
+from labkit.lessons.putting_it_together import padding
+from labkit.lessons.putting_it_together import padding_claims as padc
 from labkit.lessons.putting_it_together import first_token as ft
 from labkit.lessons.putting_it_together import peers
 from labkit.tools import recorded
@@ -129,6 +131,9 @@ def test_rows_claim_holds_live_and_fails_with_too_few_rounds_or_no_reason(cpu_ex
                              "cpu").held
     assert not pc.rows_claim(_copy(cpu_experiment, {("triton", "eager", "reason"): ""}),
                              "cpu").held
+    no_rounds = _copy(cpu_experiment, {})
+    no_rounds.table.loc[no_rounds.table.backend == "sdpa", "rounds"] = pd.NA
+    assert not pc.rows_claim(no_rounds, "cpu").held, "a row with no rounds recorded: not 3"
 
 
 def test_first_token_claim_fails_when_auto_or_the_reference_did_not_pass(cpu_experiment):
@@ -193,17 +198,62 @@ def test_the_cpu_timeline_claim_fails_on_a_missing_step():
 
 def test_padding_claim_agrees_with_the_scheduler_and_fails_on_another_count():
     w = ex.Workload(num_requests=24, prompt_len=(4, 40), output_len=(2, 30), seed=5)
-    seen = steps.decode_batches(steps.simulate_schedule(w))
-    costs = steps.bucket_costs(seen, steps.bucket_sets(seen))
-    sched = steps.simulate_schedule(w, steps.bucket_sets(seen)["powers of two"]).padded_rows.sum()
+    seen = padding.decode_batches(padding.simulate_schedule(w))
+    costs = padding.bucket_costs(seen, padding.bucket_sets(seen))
+    sched = padding.simulate_schedule(w, padding.bucket_sets(seen)["powers of two"]).padded_rows.sum()
     assert pc.padding_claim(costs, sched, 24).held
     assert not pc.padding_claim(costs, sched + 1, 24).held
 
 
 def test_simulation_claim_holds_live_and_fails_on_another_step_count(cpu_experiment):
-    n = len(steps.simulate_schedule(SMALL))
+    n = len(padding.simulate_schedule(SMALL))
     assert pc.simulation_claim(cpu_experiment, n).held
     assert not pc.simulation_claim(cpu_experiment, n + 1).held
+
+
+SERVER = ex.Workload(num_requests=48, prompt_len=(4, 40), output_len=(3, 60), seed=2)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A server-sized workload's decode batches and bucket sets, and the padding they count."""
+    seen, costs = padding.padding_study(SERVER)
+    return seen, padding.bucket_sets(seen), costs
+
+
+def test_shrink_claim_holds_on_the_schedule_and_fails_when_a_batch_grows(server):
+    seen, _, _ = server
+    assert padc.shrink_claim(seen).held
+    grown = [*seen[:5], seen[4] + 1, *seen[5:]]
+    assert not padc.shrink_claim(grown).held, "a batch that grows mid-run: not this workload"
+    assert not padc.shrink_claim([seen[0]] * 4).held, "a batch that never shrinks"
+
+
+def test_planner_claim_holds_and_fails_when_a_smaller_set_pads_fewer_rows(server):
+    _, sets, costs = server
+    assert padc.planner_claim(costs, sets).held
+    beaten = costs.copy()
+    beaten.loc[beaten.buckets == "max only", "padded_rows"] = 0
+    assert not padc.planner_claim(beaten, sets).held
+
+
+def test_bound_claims_hold_for_their_sets_and_fail_for_coarser_buckets(server):
+    seen, sets, _ = server
+    assert all(c.held for c in padc.bound_claims(seen, sets))
+    coarse = sets | {"powers of two": sets["max only"], "vLLM default sizes": sets["1, 8, max"]}
+    pow2, vllm = padc.bound_claims(seen, coarse)
+    assert not pow2.held and not vllm.held
+
+
+def test_schedule_claim_holds_for_the_engines_batches_and_fails_on_another_plan(tiny_model):
+    llm = LLM(tiny_model, **ex.engine_options(SMALL))
+    llm.generate(*SMALL.requests(tiny_model.config.vocab_size))
+    engine = padding.decode_batches(llm.history_table())
+    planned = padding.decode_batches(padding.simulate_schedule(SMALL))
+    assert padc.schedule_claim(engine, planned, SMALL.num_requests, "cpu").held
+    assert not padc.schedule_claim(engine, planned[:-1] + [planned[-1] + 1], 4, "cpu").held
+    assert not padc.schedule_claim(engine, planned, 4, "H200", 73, 72).held, \
+        "the graph pool padded other rows than the plan"
 
 
 def _times(g128=(2.9, 3.0, 3.1), g256=(3.7, 3.7, 3.8), eager_gpu=3.6):
@@ -220,18 +270,18 @@ def test_step_time_claims_hold_and_each_fails_on_its_perturbation():
     seen = [200, 150, 129, 100, 70, 3]
     sets = {"one per size": tuple(range(1, 257)), "powers of two": (64, 128, 256),
             "max only": (256,)}
-    priced = steps.bucket_costs(seen, sets, times)
-    made = pc.step_time_claims(times, priced, "H200", 512)
+    priced = padding.bucket_costs(seen, sets, times)
+    made = padc.step_time_claims(times, priced, "H200", 512)
     assert len(made) == 3 and all(c.held for c in made), [c.text for c in made]
-    doubled = pc.step_time_claims(_times(g256=(5.9, 6.0, 6.2)), None, "H200", 512)
+    doubled = padc.step_time_claims(_times(g256=(5.9, 6.0, 6.2)), None, "H200", 512)
     assert not doubled[0].held, "256 rows at twice the time of 128: padding costs its rows"
-    gpu_bound = pc.step_time_claims(_times(eager_gpu=14.0), None, "H200", 512)
+    gpu_bound = padc.step_time_claims(_times(eager_gpu=14.0), None, "H200", 512)
     assert not gpu_bound[1].held, "an eager step whose kernels fill its wall time is not host-bound"
     swapped = priced.set_index("buckets")
     swapped.loc[["powers of two", "max only"], "padding_share"] = \
         swapped.loc[["max only", "powers of two"], "padding_share"].values
     swapped = swapped.reset_index()
-    assert not pc.step_time_claims(times, swapped, "H200", 512)[2].held
+    assert not padc.step_time_claims(times, swapped, "H200", 512)[2].held
 
 
 def test_the_committed_recording_names_the_fields_its_claims_need(rec):

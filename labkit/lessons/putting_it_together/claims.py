@@ -1,5 +1,6 @@
 """What notebook 08 claims: each sentence computed from the experiment, the timeline and the
-padding study it sits beside, and checked against them.
+padding count it sits beside, and checked against them (notebook 08a's padding claims are
+:mod:`~labkit.lessons.putting_it_together.padding_claims`).
 
 Conclusions are drawn only from rows that ran and passed the first-token check
 (:attr:`~labkit.lessons.putting_it_together.experiment.Experiment.conclusive`); a comparison
@@ -45,7 +46,7 @@ def rows_claim(exp, where: str, *, recorded=None):
     """Every row either ran in at least three shuffled rounds or says why it did not."""
     t = exp.table
     ran, other = t[t.status == "ran"], t[t.status != "ran"]
-    rounds = pd.to_numeric(ran["rounds"], errors="coerce")
+    rounds = pd.to_numeric(ran["rounds"], errors="coerce").astype(float)  # <NA>: not >= 3
     statuses = ", ".join(f"{n} {s}" for s, n in other.status.value_counts().items()) or "none"
     return claim("On {where}, {ran} of {n} rows (backend x mode) ran, each in {rounds} rounds "
                  "of a freshly shuffled order; the other {k} say why ({statuses}).",
@@ -161,44 +162,3 @@ def padding_claim(costs: pd.DataFrame, scheduler_padded: int, num_requests: int)
                  n=num_requests, steps=int(pow2.decode_steps), g=int(pow2.graphs),
                  p=int(pow2.padded_rows), sched=int(scheduler_padded), m=int(top.padded_rows),
                  ge=int(exact.graphs), e=int(exact.padded_rows))
-
-
-def step_time_claims(times: pd.DataFrame, priced: pd.DataFrame | None, where: str,
-                     context_len: int, *, recorded=None) -> list:
-    """From the decode step times per batch (interleaved rounds): what twice the rows cost
-    replayed, how host-bound the eager step is, and what padding costs against the graph."""
-    t = times.sort_values("batch").set_index("batch")
-    made = []
-    big = int(t.index.max())
-    half = big // 2
-    if half in t.index and "graph_rounds_ms" in t and t.graph_ms.notna().all():
-        rows = Spread.of([a / b for a, b in zip(t.graph_rounds_ms[big], t.graph_rounds_ms[half])])
-        more = (big - half - 1) / (half + 1)  # rows added padding half + 1 up to big
-        made.append(claim(
-            "Replayed on {where}, a decode step of {big} rows (context {ctx}) takes {rows:.2fx} "
-            "the time of {half} rows ({g2:.2f} against {g1:.2f} ms, medians): so padding a "
-            "batch of {over} up to {big} costs at most {extra:.0%} over a {half}-row step in "
-            "any round, where its rows grow by {more:.0%}: rows are not time.",
-            rows.below(1 + more), where=where, big=big, half=half, ctx=context_len, rows=rows,
-            g2=t.graph_ms[big], g1=t.graph_ms[half], over=half + 1, extra=rows.high - 1,
-            more=more, recorded=recorded))
-    if "eager_gpu_ms" in t and pd.notna(t.eager_gpu_ms[big]):
-        low = t.eager_low_ms[big] if "eager_low_ms" in t else t.eager_ms[big]
-        made.append(claim(
-            "Eager on {where}, the {big}-row decode step takes {wall:.2f} ms of wall time "
-            "(median; {low:.2f} in its fastest round) but {gpu:.2f} ms of GPU kernel time "
-            "(profiler): it is host-bound, so a gain over eager measures the host work a graph "
-            "removes, not GPU work.", t.eager_gpu_ms[big] < 0.5 * low, where=where, big=big,
-            wall=t.eager_ms[big], low=low, gpu=t.eager_gpu_ms[big], recorded=recorded))
-    if priced is not None and "padding_share" in priced:
-        c = priced.set_index("buckets")
-        pow2, top = c.loc["powers of two"], c.loc["max only"]
-        made.append(claim(
-            "Priced with the median step times on {where}, padding to powers of two adds "
-            "{share:.1%} to the replayed decode steps' time (its baseline: the same steps "
-            "replayed at their exact sizes), one graph for the largest batch adds {top:.1%}; "
-            "against eager's host-bound wall time, powers of two eat {eaten:.1%} of the graphs' "
-            "gain.", pow2.padding_share < top.padding_share, where=where,
-            share=pow2.padding_share, top=top.padding_share, eaten=pow2.gain_eaten,
-            recorded=recorded))
-    return made

@@ -46,6 +46,10 @@ COLUMNS = ["backend", "mode", "status", "passed", "chosen", "reason", "rounds", 
            "steps", "graph_steps", "padded_rows", "pool_padded_rows", "graph_MiB", "engine_MiB",
            "kv_cache_MiB", "warm_start", "same_first_token", "first_token_ok",
            "first_token_ties"]
+# Columns that count (rounds, graphs, steps, rows, near-ties): integers, <NA> where a row did not
+# run, never 45.0 (a NaN beside a count makes a float column of it).
+COUNTS = ("rounds", "graphs", "steps", "graph_steps", "padded_rows", "pool_padded_rows",
+          "first_token_ties")
 # What one round of a row measures; the table shows each one's median over the rounds.
 ROUND_COLUMNS = ["build_s", "capture_ms", "first_run_s", "steady_run_s", "decode_step_ms",
                  "tpot_ms", "ttft_ms", "output_tok_s"]
@@ -95,6 +99,12 @@ def _release(dev: torch.device) -> None:
         free_memory(dev)
 
 
+def with_counts(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with its :data:`COUNTS` columns as integers (Int64: <NA> where a row did not
+    run). A count that is not whole raises: it would be a bug, not a count."""
+    return table.astype({c: "Int64" for c in COUNTS if c in table})
+
+
 def warmup_s(first_s: float, steady_s) -> float:
     """What the first run paid beyond steady state: its time above the slowest steady run.
 
@@ -109,7 +119,14 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
             ) -> tuple[dict, list[str], list | None]:
     """One round of one row: build the engine (graph capture included), a first run, then
     ``repeats`` steady runs. Returns the row (steady figures from the median steady run,
-    ``steady_runs_s`` all of them), its selection log and the tokens (None if it did not run)."""
+    ``steady_runs_s`` all of them), its selection log and the tokens (None if it did not run).
+
+    The row's ``status``: "ran"; "refused" (the backend's declaration rules it out: the engine
+    raised ``BackendUnavailable``; for a graph row the reason names whose limit it is, from
+    :func:`~labkit.lessons.putting_it_together.peers.graph_limit`, instead of running eagerly
+    in silence); "cannot run" (the mode needs what the device lacks: CUDA Graphs need CUDA);
+    "skipped" (in ``skip``: too slow here, or timing it would time recompiles); "failed" (it
+    started and raised; the error is the reason)."""
     dev = model.embed_tokens.device
     row = dict.fromkeys(COLUMNS, float("nan")) | {"backend": backend, "mode": mode,
                                                   "chosen": "", "reason": ""}
@@ -186,7 +203,7 @@ class Experiment:
 
     @classmethod
     def from_dict(cls, d: dict) -> Experiment:
-        table = pd.DataFrame(d["table"]).reindex(columns=COLUMNS)
+        table = with_counts(pd.DataFrame(d["table"]).reindex(columns=COLUMNS))
         if "rounds" not in d:  # one round: no steady range to take a warm-up against
             table["warmup_s"] = float("nan")
         return cls(table, d["selection_logs"],
@@ -277,9 +294,9 @@ def run_experiment(model: ModelConfig | LlamaModel, workload: Workload, *,
                                                      for a, b in zip(outs, outputs[base])]))
             row["first_token_ok"], row["first_token_ties"] = first_token_check(outs, truth)
             row["passed"] = row["first_token_ok"] == 1.0
-    return Experiment(pd.DataFrame(rows, columns=COLUMNS), logs, asdict(model.config),
-                      asdict(workload), pd.DataFrame(order_rows),
-                      max((t["tie"] for t in truth), default=0.0))
+    table = with_counts(pd.DataFrame(rows, columns=COLUMNS))
+    return Experiment(table, logs, asdict(model.config), asdict(workload),
+                      pd.DataFrame(order_rows), max((t["tie"] for t in truth), default=0.0))
 
 
 SHOWN = {"rounds": 0, "build_s": 3, "warmup_s": 3, "tpot_ms": 3, "output_tok_s": 0, "steps": 0,
@@ -303,6 +320,7 @@ def compact(table: pd.DataFrame) -> pd.DataFrame:
     out = table[["backend", "mode", "status", "passed", "chosen", *SHOWN, "reason"]].copy()
     for col, digits in SHOWN.items():
         out[col] = pd.to_numeric(out[col], errors="coerce").round(digits)
+    out = with_counts(out)  # a table built elsewhere (a test, an old recording) shows counts too
     out.insert(5, "decode_step_ms (range)", _ranged(table, "decode_step_ms", 2))
     out.insert(6, "capture_ms (range)", _ranged(table, "capture_ms", 1))
     return out
