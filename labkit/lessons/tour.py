@@ -69,8 +69,13 @@ SEQUENCE = [
      "sm_90 SASS compiled here, fp8 accuracy live, recorded H200 speeds"),
     ("07_prefill_vs_decode", "compute- vs memory-bound, TTFT/TPOT, chunked prefill",
      "roofline points", "tiny model live, recorded GPU points"),
+    ("07a_prefill_decode_deep_dives", "eager step = max(host floor, GPU), kernel census, fused "
+     "small ops, context growth, chunked steps vs host", "live bounds, kernel census, fused gain",
+     "CPU op census and context growth live, recorded GPU bounds"),
     ("08_putting_it_together", "continuous batching engine; backend x eager/graph experiment",
      "graphs, speed", "tiny model live, recorded GPU table"),
+    ("08a_padding_and_buckets", "padding per bucket set step by step, vLLM sizes, planned "
+     "buckets, priced in step time", "graph step times", "counts live, recorded H200 step times"),
     ("09_multi_gpu_overlap", "tensor-parallel layer: all-reduce overlapped with compute",
      "two GPUs, NCCL", "2-process gloo on CPU, recorded 2-GPU timeline"),
 ]

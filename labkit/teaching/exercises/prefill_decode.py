@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from labkit.lessons.prefill_vs_decode import forward as pdc
+from labkit.lessons.prefill_vs_decode import cost as pdc
 from labkit.engine.config import ModelConfig
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.teaching.exercises import Case, Exercise
@@ -260,7 +260,7 @@ EXERCISES = [
              "grow with batch times context and are divided by the GQA group (query heads per KV "
              "head), while attention FLOPs are not: past some batch each new row adds as many "
              "bytes as FLOPs, which is why long-context decode never reaches the ridge "
-             "(`knee_batch` in `labkit/lessons/prefill_vs_decode/forward.py` searches for it with this arithmetic).",
+             "(`knee_batch` in `labkit/lessons/prefill_vs_decode/cost.py` searches for it with this arithmetic).",
     ),
     Exercise(
         id="07.2", title="what goes into the next step (chunked prefill)", entry="plan_step",

@@ -368,7 +368,7 @@ EXERCISES = [
              "over the run: the scheduler knows the padding before the model runs. Powers of two "
              "waste up to half the rows of a batch just above a power; a few buckets planned "
              "from the trace (`plan_buckets`) waste fewer; one bucket per size wastes none but "
-             "costs a graph each. Whether padded rows cost time depends on the step: notebook 08's "
-             "last table prices them.",
+             "costs a graph each. Whether padded rows cost time depends on the step: appendix 08a's "
+             "tables price them with measured step times.",
     ),
 ]
