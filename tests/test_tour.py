@@ -18,9 +18,22 @@ def test_the_sequence_lists_the_notebooks_that_exist_without_a_leftover_column()
     assert "here" not in table.columns
 
 
-def test_every_concept_names_where_it_is_shown():
-    concepts = tour.concept_map()
-    assert len(concepts) == 26 and concepts.notebook.str.len().min() > 0
+def test_every_concept_names_sections_and_exercises_that_exist():
+    concepts = tour.concept_map(torch.device("cpu"))
+    assert len(concepts) == 26
+    missing = [p for _, places, _ in tour.CONCEPTS for p in places if not tour.place_exists(p)]
+    assert not missing, f"the concept map points at sections or exercises no notebook has: {missing}"
+    assert not tour.place_exists("02 §9") and not tour.place_exists("02.9")
+    assert not tour.place_exists("02 §No such heading")
+
+
+def test_the_concept_map_says_what_is_live_on_this_machine():
+    cpu = tour.concept_map(torch.device("cpu")).set_index("concept")["on this machine"]
+    assert cpu["Pinned vs pageable memory"].startswith("recorded")
+    assert cpu["dynamic=True vs shape buckets"] == "live"
+    assert "not yet" in cpu["Speculative verification: several new tokens checked in one forward"]
+    gpu = tour.concept_map(torch.device("cuda")).set_index("concept")["on this machine"]
+    assert gpu["Pinned vs pageable memory"] == "live"
 
 
 def test_the_recorded_ceilings_hold_their_claims_against_the_datasheet(h200):

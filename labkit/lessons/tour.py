@@ -19,34 +19,45 @@ DATASHEETS = {
                                         "dense BF16"},
 }
 
-# The chapter's concepts (shared/COVERAGE.md), each with the notebook that shows it live.
+# The chapter's concepts (shared/COVERAGE.md): where each is shown ("NN §k": section k of
+# notebook NN; "§Name": the section whose heading holds Name; "NN.k": exercise NN.k), and
+# whether what it measures needs a GPU (False: it runs live on a CPU too). No place: not yet.
 CONCEPTS = [
-    ("An attention backend is paged addressing plus IO tiling, matched to dtype, mask, layout", "06"),
-    ("What to check before choosing a backend: model, cache, request, graph, hardware", "06"),
-    ("Automatic backend selection with its log; forcing one only where it is supported", "06, 08"),
-    ("Eager mode as a diagnostic control", "02, 08"),
-    ("Piecewise vs full-graph capture; compile enabled is not everything fused", "03, 08"),
-    ("The controlled experiment: backends x eager/graph, first-run and steady-state costs", "08"),
-    ("Lower launch cost eaten by padding arithmetic", "02, 08"),
-    ("Stream/event ordering of batch metadata copies", "04, 08"),
-    ("Streams have no natural order: reusing a copy's source too early", "04"),
-    ("CUDA Graph capture and replay: warm-up, static buffers, fixed addresses", "02"),
-    ("The static_in = next_batch pitfall vs static_in.copy_(next_batch)", "02"),
-    ("Graph costs: capture time, memory, one graph per bucket", "02"),
-    ("Graphs help decode (many short kernels), not long prefill", "01, 07"),
-    ("Reading the profiler: CPU gaps before small kernels", "01"),
-    ("Graphs vs kernels chosen by context length: (batch, context) buckets", "02"),
-    ("torch.compile: Dynamo -> FX -> AOTAutograd -> Inductor -> Triton/C++", "03"),
-    ("Compile modes and dynamic=False recompiles", "03"),
-    ("Graph breaks from data-dependent control flow; the torch.where fix", "03"),
-    ("dynamic=True vs shape buckets", "03"),
-    ("Compile pitfalls: breaks, recompiles, cold start, guards", "03"),
-    ("Overlap: CPU with GPU, copies with compute, communication with compute", "04, 07, 08, 09"),
-    ("Pinned vs pageable memory", "04"),
-    ("Paging, continuous batching and prefix caching", "05, 07, 08"),
-    ("MLA: one shared latent per token, weight absorption", "not yet written"),
-    ("Speculative verification: several new tokens checked in one forward", "not yet written"),
-    ("Piecewise vs full CUDA graphs inside the engine", "07, 08"),
+    ("An attention backend is paged addressing plus IO tiling, matched to dtype, mask, layout",
+     ("06 §1", "06.1", "06.2"), False),
+    ("What to check before choosing a backend: model, cache, request, graph, hardware",
+     ("06 §3",), False),
+    ("Automatic backend selection with its log; forcing one only where it is supported",
+     ("06 §3", "08 §1"), False),
+    ("Eager mode as a diagnostic control", ("02 §Eager mode", "08 §1"), False),
+    ("Piecewise vs full-graph capture; compile enabled is not everything fused",
+     ("03 §3", "03 §6"), True),
+    ("The controlled experiment: backends x eager/graph, first-run and steady-state costs",
+     ("08 §1",), True),
+    ("Lower launch cost eaten by padding arithmetic", ("02 §3", "08 §3", "08a §3"), True),
+    ("Stream/event ordering of batch metadata copies", ("04 §3", "04.2", "08 §2", "08.1"), True),
+    ("Streams have no natural order: reusing a copy's source too early", ("04 §4", "04.1"), True),
+    ("CUDA Graph capture and replay: warm-up, static buffers, fixed addresses",
+     ("02 §1", "02.1"), True),
+    ("The static_in = next_batch pitfall vs static_in.copy_(next_batch)", ("02 §2", "01.1"), False),
+    ("Graph costs: capture time, memory, one graph per bucket", ("02 §3", "02.2"), True),
+    ("Graphs help decode (many short kernels), not long prefill", ("01 §3", "07 §3"), True),
+    ("Reading the profiler: CPU gaps before small kernels", ("01 §1", "07a §1"), True),
+    ("Graphs vs kernels chosen by context length: (batch, context) buckets",
+     ("02 §2", "02 §3"), True),
+    ("torch.compile: Dynamo -> FX -> AOTAutograd -> Inductor -> Triton/C++", ("03 §1",), False),
+    ("Compile modes and dynamic=False recompiles", ("03 §4", "03 §5"), False),
+    ("Graph breaks from data-dependent control flow; the torch.where fix", ("03 §2", "03.1"),
+     False),
+    ("dynamic=True vs shape buckets", ("03 §4",), False),
+    ("Compile pitfalls: breaks, recompiles, cold start, guards", ("03 §2", "03 §5"), False),
+    ("Overlap: CPU with GPU, copies with compute, communication with compute",
+     ("04 §3", "04 §5", "07 §4", "09 §2"), True),
+    ("Pinned vs pageable memory", ("04 §1",), True),
+    ("Paging, continuous batching and prefix caching", ("05 §1", "05 §3", "05.2", "08 §1"), False),
+    ("MLA: one shared latent per token, weight absorption", ("06 §3",), False),
+    ("Speculative verification: several new tokens checked in one forward", (), True),
+    ("Piecewise vs full CUDA graphs inside the engine", ("03 §3",), True),
 ]
 
 # (stem, what the learner sees, what needs a GPU, what the CPU shows instead)
@@ -96,9 +107,40 @@ def sequence_table(device: torch.device) -> pd.DataFrame:
                          for stem, sees, gpu_part, cpu_part in SEQUENCE if stem in present])
 
 
-def concept_map() -> pd.DataFrame:
-    """The chapter's concepts and the notebook that shows each one live."""
-    return pd.DataFrame(CONCEPTS, columns=["concept", "notebook"])
+def concept_map(device: torch.device | None = None) -> pd.DataFrame:
+    """The chapter's concepts, the notebook sections and exercises that show each, and whether
+    this machine shows it live or from a recording made on a GPU."""
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+
+    def here(places, gpu):
+        if not places:
+            return "not yet written"
+        return "live" if on_gpu or not gpu else "recorded on a GPU (the CPU parts live)"
+    return pd.DataFrame([{"concept": c, "where": ", ".join(places) or "-",
+                          "on this machine": here(places, gpu)} for c, places, gpu in CONCEPTS])
+
+
+def place_exists(place: str, notebook_dir=NOTEBOOK_DIR) -> bool:
+    """'06 §3' (a section heading of 06_*.ipynb), '02 §Eager mode' (a heading holding the text)
+    or '04.2' (an exercise a notebook checks)."""
+    import json
+    import re
+
+    section = re.fullmatch(r"(\d\d[a-z]?) §(.+)", place)
+    if section is None:
+        from labkit.teaching.exercises import all_exercises
+
+        return place in all_exercises()
+    stem, what = section.groups()
+    paths = list(notebook_dir.glob(f"{stem}_*.ipynb"))
+    if len(paths) != 1:
+        return False
+    headings = [line[3:] for c in json.loads(paths[0].read_text())["cells"]
+                if c["cell_type"] == "markdown" for line in "".join(c["source"]).splitlines()
+                if line.startswith("## ")]
+    if what.isdigit():
+        return any(re.match(rf"{what}\b", h) for h in headings)
+    return any(what in h for h in headings)
 
 
 def datasheet(gpu: str | None) -> dict | None:
