@@ -1,0 +1,62 @@
+"""The sentences notebook 05 states from its measurements, each a :func:`claim` whose condition
+a test perturbs (schemes swapped, caching on and off swapped, pools reversed) to see it fail."""
+from __future__ import annotations
+
+import pandas as pd
+
+from labkit.teaching import claim
+
+
+def memory_claims(memory: pd.DataFrame, by_block: pd.DataFrame, block_size: int) -> list:
+    """Paged against contiguous in the same memory, and what the block size costs, computed
+    from :func:`.memory.compare_memory` and :func:`.memory.utilisation_by_block_size`."""
+    contiguous = memory[memory.scheme == "contiguous"].set_index("capacity_tokens")
+    paged = memory[memory.scheme != "contiguous"].set_index("capacity_tokens")
+    gain = paged.requests_fit / contiguous.requests_fit
+    blocks = by_block[by_block.scheme != "contiguous"]
+    used = pd.Series(blocks.utilisation.values,
+                     index=[int(name.split()[-1].rstrip(")")) for name in blocks.scheme])
+    return [
+        claim("The same memory holds {lo:.1f}x to {hi:.1f}x as many requests when they take "
+              "blocks as they grow as when each reserves the worst case up front.",
+              bool((gain >= 2).all()), lo=float(gain.min()), hi=float(gain.max())),
+        claim("Paged, {p:.0%} of the reserved slots hold a token (the worst of the capacities "
+              "tried); reserving max_model_len per request, {c:.0%}.",
+              bool((paged.utilisation > 0.9).all() and (contiguous.utilisation < 0.5).all()),
+              p=float(paged.utilisation.min()), c=float(contiguous.utilisation.max())),
+        claim("Blocks of {b} tokens fill {small:.1%} of their slots, blocks of {big} only "
+              "{large:.1%}: the last, partly filled block of each request wastes more the bigger "
+              "the block.", bool(used.loc[block_size] > used.iloc[-1]), b=block_size,
+              small=float(used.loc[block_size]), big=int(used.index[-1]),
+              large=float(used.iloc[-1])),
+    ]
+
+
+def copy_on_write_claim(copies, reads_parent: bool):
+    return claim("The forked request's append into the shared block was served by copy-on-write "
+                 "{copies}, and it still reads its parent's prefix through its own block table.",
+                 bool(copies) and bool(reads_parent), copies=list(copies))
+
+
+def prefix_claims(on: dict, off: dict, pressure: pd.DataFrame) -> list:
+    """Prefix caching on the chat workload (:func:`.prefix_workload.run_prefix_workload`,
+    caching on and off) and as the pool shrinks."""
+    by_pool = pressure.sort_values("num_blocks")
+    small, large = by_pool.iloc[0], by_pool.iloc[-1]
+    return [
+        claim("With prefix caching, {hit:.0%} of the prompt blocks were found in the cache, and "
+              "prefill computed {on_t:,} of the {off_t:,} tokens it computes without caching "
+              "({share:.0%}).", on["hit_rate"] > 0.5 and off["hit_rate"] == 0
+              and on["prefill_tokens_computed"] < 0.5 * off["prefill_tokens_computed"],
+              hit=on["hit_rate"], on_t=on["prefill_tokens_computed"],
+              off_t=off["prefill_tokens_computed"],
+              share=on["prefill_tokens_computed"] / off["prefill_tokens_computed"]),
+        claim("Shrinking the pool from {big:,} to {few:,} blocks lowers the hit rate from "
+              "{hit_big:.0%} to {hit_few:.0%} and raises evictions from {ev_big:,} to {ev_few:,}: "
+              "running requests crowd the cached blocks out.",
+              bool(large.hit_rate > small.hit_rate and small.evictions > large.evictions),
+              big=int(large.num_blocks), few=int(small.num_blocks), hit_big=float(large.hit_rate),
+              hit_few=float(small.hit_rate), ev_big=int(large.evictions),
+              ev_few=int(small.evictions)),
+    ]
+
