@@ -1,9 +1,11 @@
 """The sentences notebook 05 states from its measurements, each a :func:`claim` whose condition
-a test perturbs (schemes swapped, caching on and off swapped, pools reversed) to see it fail."""
+a test perturbs (schemes swapped, caching on and off swapped, pools reversed, the two fp8
+scales swapped) to see it fail."""
 from __future__ import annotations
 
 import pandas as pd
 
+from labkit.kernels.store_kv import FP8_E4M3_MAX
 from labkit.teaching import claim
 
 
@@ -60,3 +62,43 @@ def prefix_claims(on: dict, off: dict, pressure: pd.DataFrame) -> list:
               ev_few=int(small.evictions)),
     ]
 
+
+def fp8_granularity_claim(table: pd.DataFrame, near: float = 1e-3, bound: float = 3.0):
+    """:func:`.fp8_scales.scale_granularity`'s table: per-head error the same on every head; one
+    per-tensor scale as good on heads within ``1 / near`` of the largest, and more than
+    ``bound`` times worse on the smallest head, whose values it stores below e4m3's smallest
+    normal number."""
+    close = table[table["amax / largest"] >= near]
+    smallest = table.loc[table["amax / largest"].idxmin()]
+    per_head = table["error, per-head scale"]
+    worst_close = float(close["error, per-tensor scale"].max())
+    stored = float(smallest["amax / largest"]) * FP8_E4M3_MAX  # its amax / the shared scale
+    return claim(
+        "In e4m3, per-head scales gave every head {head_lo:.1%}-{head_hi:.1%} relative error. "
+        "One per-tensor scale did as well ({close:.1%} at worst) on the heads within "
+        "{span:,.0f}x of the largest, but the smallest head, {far:,.0f}x below it, had "
+        "{far_err:.1%} ({far_head:.1%} with its own scale): the shared scale stored its largest "
+        "value as {stored:.2g}, under e4m3's smallest normal number (2^-6), where the "
+        "subnormals keep fewer significant bits.",
+        bool(worst_close < 1.25 * per_head.max() and stored < 2**-6
+             and smallest["error, per-tensor scale"] > bound * smallest["error, per-head scale"]),
+        head_lo=float(per_head.min()), head_hi=float(per_head.max()), close=worst_close,
+        span=1 / float(close["amax / largest"].min()), far=1 / float(smallest["amax / largest"]),
+        far_err=float(smallest["error, per-tensor scale"]),
+        far_head=float(smallest["error, per-head scale"]), stored=stored)
+
+
+def stale_scale_claim(table: pd.DataFrame, bound: float = 3.0):
+    """:func:`.fp8_scales.stale_scale`'s rows, in its order (in range, stale, on the fly): the
+    stale scale clips and its error is more than ``bound`` times the on-the-fly scale's."""
+    in_range, stale, fly = (table.iloc[i] for i in range(3))
+    return claim(
+        "A scale calibrated as amax / 448 kept new tokens from the same distribution at "
+        "{ok:.1%} error; when the live values grew past the calibration data ({stale_name}), "
+        "{clipped:.1%} of them clipped at 448 x scale and the error rose to {stale:.1%}, against "
+        "{fly:.1%} with the scale computed on the fly from the tokens being written.",
+        bool(stale["clipped share"] > 0.01 and fly["clipped share"] == 0
+             and stale["relative error"] > bound * fly["relative error"]),
+        ok=float(in_range["relative error"]), stale_name=stale["scale"],
+        clipped=float(stale["clipped share"]), stale=float(stale["relative error"]),
+        fly=float(fly["relative error"]))
