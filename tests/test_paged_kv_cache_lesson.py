@@ -1,6 +1,7 @@
 """Notebook 05's lesson: its claims hold on its own workloads and fail when the numbers behind
 them are perturbed (the schemes swapped, the pool sizes reversed, a fork that did not copy, the
-two fp8 scales swapped); the MHA / GQA / MLA memory rows follow from the config's dims."""
+two fp8 scales swapped); the MHA / GQA / MLA memory rows follow from the config's dims. The
+TTFT a prefix hit saves is tested in test_paged_kv_cache_ttft.py."""
 import pandas as pd
 import pytest
 import torch

@@ -1,11 +1,12 @@
 """The sentences notebook 05 states from its measurements, each a :func:`claim` whose condition
-a test perturbs (schemes swapped, caching on and off swapped, pools reversed, the two fp8
-scales swapped) to see it fail."""
+a test perturbs (schemes swapped, caching on and off swapped, pools reversed, the two TTFT
+timings or the two fp8 scales swapped) to see it fail."""
 from __future__ import annotations
 
 import pandas as pd
 
 from labkit.kernels.store_kv import FP8_E4M3_MAX
+from labkit.lessons.paged_kv_cache.prefix_ttft import CACHED, UNCACHED, PrefixTTFT
 from labkit.teaching import claim
 
 
@@ -61,6 +62,24 @@ def prefix_claims(on: dict, off: dict, pressure: pd.DataFrame) -> list:
               hit_few=float(small.hit_rate), ev_big=int(large.evictions),
               ev_few=int(small.evictions)),
     ]
+
+
+def prefix_ttft_claim(result: PrefixTTFT, bound: float = 2.0):
+    """:func:`.prefix_ttft.time_prefix_ttft`'s rounds: caching on must be ``bound`` times sooner
+    to the first token in every round, with the whole system prompt's full blocks hit."""
+    on, off, gain = result.ttft_ms(CACHED), result.ttft_ms(UNCACHED), result.speedup()
+    shared = result.system_prompt_len - result.system_prompt_len % result.block_size
+    hit, hit_off = result.cached_tokens[CACHED], result.cached_tokens[UNCACHED]
+    return claim(
+        "Bursts of {burst} requests behind one shared {system:,}-token system prompt ({model}): "
+        "with prefix caching each request found {hit:,} of its {prompt:,} prompt tokens in the "
+        "cache and its first token came after {on:.1f} ms (range over rounds {on_lo:.1f}-"
+        "{on_hi:.1f}), against {off:.1f} ms ({off_lo:.1f}-{off_hi:.1f}) with caching off: "
+        "{gain:.2fx} sooner, and above {bound:g}x in every interleaved round.",
+        gain.above(bound) and hit == shared and hit_off == 0,
+        burst=result.burst, system=result.system_prompt_len, model=result.model, hit=hit,
+        prompt=result.prompt_len, on=on.median, on_lo=on.low, on_hi=on.high, off=off.median,
+        off_lo=off.low, off_hi=off.high, gain=gain, bound=bound)
 
 
 def fp8_granularity_claim(table: pd.DataFrame, near: float = 1e-3, bound: float = 3.0):
