@@ -55,7 +55,7 @@ CONCEPTS = [
      ("04 §3", "04 §5", "07 §4", "09 §2"), True),
     ("Pinned vs pageable memory", ("04 §1",), True),
     ("Paging, continuous batching and prefix caching", ("05 §1", "05 §3", "05.2", "08 §1"), False),
-    ("MLA: one shared latent per token, weight absorption", ("06 §3",), False),
+    ("MLA: one shared latent per token, weight absorption", ("05 §1", "06 §3"), False),
     ("Speculative verification: several new tokens checked in one forward", (), True),
     ("Piecewise vs full CUDA graphs inside the engine", ("03 §3",), True),
 ]
@@ -71,7 +71,8 @@ SEQUENCE = [
      "reduce-overhead mode", "Inductor's C++ path, live"),
     ("04_pinned_memory_streams", "pageable vs pinned H2D, streams, events, overlap",
      "streams, pinned DMA", "recorded figures, synchronous API"),
-    ("05_paged_kv_cache", "block tables, fragmentation, prefix caching, eviction, copy-on-write",
+    ("05_paged_kv_cache", "block tables, fragmentation, MHA/GQA/MLA bytes, fp8 scales, prefix "
+     "caching and the TTFT it saves, eviction, copy-on-write",
      "-", "everything runs live"),
     ("06_attention_backends", "IO tiling, paged decode in Triton, backend selection, roofline",
      "kernel speed", "Triton interpreter for correctness, recorded speeds"),
