@@ -2,8 +2,9 @@
 
 For each notebook (a copy with QUICK=True injected as papermill would), the test opens it in
 JupyterLab, runs all cells, and checks in the page: no cell raised, the last (asserting) cell
-ran, every plotly figure drew an SVG, no widget shows an error view. A screenshot of each goes
-to test-results/browser/. Uses the shared `chromium` fixture (tests/conftest.py).
+ran, every plotly figure drew an SVG, no widget shows an error view, no stderr box shows, no
+number prints as ``150.000000`` or ``np.float64(...)`` and no table cell is cut with "...". A
+screenshot of each goes to test-results/browser/. Uses the shared `chromium` fixture (tests/conftest.py).
 """
 import json
 from pathlib import Path
@@ -35,13 +36,20 @@ RUN_ALL = """async () => {
   }));
 }"""
 
-PAGE_CHECKS = """() => ({
+PAGE_CHECKS = r"""() => ({
   figures: document.querySelectorAll('.js-plotly-plot').length,
   drawn: [...document.querySelectorAll('.js-plotly-plot')]
            .filter(p => p.querySelector('svg.main-svg')).length,
   widgets: document.querySelectorAll('.jupyter-widgets').length,
   widget_errors: [...document.querySelectorAll('.jp-OutputArea-output')]
            .filter(o => o.textContent.includes('Error displaying widget')).length,
+  stderr: [...document.querySelectorAll('.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"]')]
+           .map(o => o.textContent.trim().slice(0, 200)).filter(t => t),
+  float_counts: [...document.querySelectorAll('.jp-OutputArea-output')]
+           .map(o => o.textContent.match(/np\.float64\([^)]*\)|\b\d+\.000000\b/))
+           .filter(m => m).map(m => m[0]),
+  cut_cells: [...document.querySelectorAll('.jp-OutputArea-output td, .jp-OutputArea-output th')]
+           .map(c => c.textContent.trim()).filter(t => t.length > 3 && /(\.\.\.|…)$/.test(t)),
 })"""
 
 
@@ -87,9 +95,30 @@ def test_notebook_runs_in_jupyterlab_and_every_output_renders(browser_page, path
     assert seen["figures"] >= expected and seen["drawn"] == seen["figures"], \
         f"{path.name}: {seen['drawn']} of {seen['figures']} figures drew, {expected} promised"
     assert seen["widget_errors"] == 0, f"{path.name}: a widget shows an error view"
+    # what the screen shows: no red stderr boxes, no counts as floats, no cells cut with "..."
+    assert not seen["stderr"], f"{path.name}: stderr shown under a cell: {seen['stderr']}"
+    assert not seen["float_counts"], f"{path.name}: numbers printed as floats: {seen['float_counts']}"
+    assert not seen["cut_cells"], f"{path.name}: table cells cut short: {seen['cut_cells']}"
     dead = move_every_widget(page)
     assert not dead, f"{path.name}: widgets whose output never changed when moved: {dead}"
     page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+
+
+def test_the_screen_checks_see_stderr_float_counts_and_cut_cells(chromium):
+    page = chromium.new_page()
+    page.set_content("""
+      <div class="jp-OutputArea-output"><div class="jp-RenderedText"
+        data-mime-type="application/vnd.jupyter.stderr"><pre>USDT profiler_start</pre></div></div>
+      <div class="jp-OutputArea-output"><pre>kernels 150.000000</pre></div>
+      <div class="jp-OutputArea-output"><pre>rows np.float64(256.0)</pre></div>
+      <div class="jp-OutputArea-output"><table><tr><td>CUDA Graph re...</td>
+        <td>1.5</td><td>2.25</td></tr></table></div>
+      <div class="jp-OutputArea-output"><pre>speed 891.731758 and 12 steps</pre></div>""")
+    seen = page.evaluate(PAGE_CHECKS)
+    page.close()
+    assert seen["stderr"] == ["USDT profiler_start"]
+    assert seen["float_counts"] == ["150.000000", "np.float64(256.0)"]
+    assert seen["cut_cells"] == ["CUDA Graph re..."]
 
 
 def _shown(output) -> str:
