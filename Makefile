@@ -33,6 +33,9 @@ help:
 
 venv: $(VENV)/.installed
 
+# rfc3987-syntax comes with jupyter's jsonschema[format-nongpl] and builds an IRI grammar when
+# jsonschema is imported, about 2 s in every notebook kernel (plotly imports nbformat, which
+# imports jsonschema); nothing here validates IRIs, and jsonschema runs without it.
 $(VENV)/.installed: pyproject.toml
 	@set -e; \
 	if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
@@ -49,6 +52,7 @@ $(VENV)/.installed: pyproject.toml
 	  $(VPY) -m pip install -q --disable-pip-version-check $(TORCH_CPU) $(TRITON_CPU) '$(NUMPY_CPU)'; \
 	fi; \
 	$(VPY) -m pip install -q --disable-pip-version-check -e '.[lab,test]'; \
+	$(VPY) -m pip uninstall -q -y rfc3987-syntax 2>/dev/null || true; \
 	$(VPY) -m ipykernel install --sys-prefix --name labkit --display-name "labkit (.venv)" >/dev/null; \
 	touch $@
 

@@ -105,3 +105,16 @@ def test_graph_replay_computes_what_eager_computes_and_is_faster_for_tiny_kernel
     assert torch.equal(x, torch.full_like(x, 150.0)), "one replay runs the 50 kernels once"
     df = lo.sweep([256], n_kernels=100, device=dev)
     assert lo.speedup_table(df).speedup.iloc[0] > 2
+
+
+def test_the_chain_length_claim_over_rounds_fails_when_one_round_looks_like_a_cost_per_chain(
+        fresh_claims):
+    made = lo.chain_length_claim([3.6, 3.5, 3.7], [3.4, 3.5, 3.3], 64, 4, 16)
+    assert made.held and "3 rounds" in made.text
+    assert not lo.chain_length_claim([3.6, 3.5, 7.2], [3.4, 3.5, 3.3], 64, 4, 16).held
+
+
+def test_chain_rounds_times_both_chains_per_kernel(fresh_claims):
+    chains = lo.chain_rounds(16, 8, 4, "cpu", rounds=3, repeats=3)
+    assert len(chains["base_us"]) == len(chains["longer_us"]) == 3
+    assert all(v > 0 for v in chains["base_us"] + chains["longer_us"])

@@ -371,7 +371,7 @@ def test_record_on_cpu_with_tiny_sizes_gives_every_section_as_json():
     data = forward.record("cpu", ModelConfig.tiny(), [cost.prefill(16), cost.decode(2, 16)], engine=dict(
         latency_batches=(1, 2), latency_prompt=8, latency_prompts=(4, 16), latency_batch=2,
         max_tokens=3, num_running=2, running_tokens=6, long_prompt=32, chunk_budget=8,
-        arrive_after=2, kv_cache_memory=None), rounds=3)
+        arrive_after=2, kv_cache_memory=None), rounds=3, repeats=2)  # the fused ops: interpreted
     data = json.loads(json.dumps(data, allow_nan=False))  # plain JSON, no NaN
     assert {"config", "peaks", "points", "profiles", "engine", "fused",
             "context_growth"} <= set(data)

@@ -43,3 +43,22 @@ def test_after_lab_start_a_notebook_shows_counts_as_integers():
                          timeout=120, check=True).stdout
     assert "688.0" not in out and "<td>688</td>" in out and "688" in out.split("HTML")[0], out
     assert "np.float64" not in out and "{'numel': 16.0}" in out, out
+
+
+def test_after_lab_start_floats_show_no_padding_zeros_and_warnings_print_as_text():
+    script = (
+        "import warnings, pandas as pd\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        "from labkit.teaching import lab\n"
+        "lab.start('cpu')\n"
+        "df = pd.DataFrame({'share': [0.0, 0.781622], 'vs MLA': [71.111111, 1.0]})\n"
+        "data, _ = shell.display_formatter.format(df)\n"
+        "print('PLAIN', data['text/plain']); print('HTML', data['text/html'])\n"
+        "warnings.warn('copies run synchronously here')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert ".000000" not in done.stdout and "0.781622" in done.stdout, done.stdout
+    assert "<td>71.1111</td>" in done.stdout, done.stdout
+    assert "warning (UserWarning): copies run synchronously here" in done.stdout
+    assert "copies run synchronously" not in done.stderr, done.stderr

@@ -345,3 +345,18 @@ def test_recorded_claims_read_what_the_recorder_writes():
     made = cl.recorded_claims(rec)
     assert len(made) >= 8 and all(c.held for c in made), [str(c) for c in made if not c.held]
     assert all(c.source == rec.label for c in made)
+
+
+def test_the_recompile_limit_warning_is_printed_as_text_not_dropped(capsys):
+    from labkit.lessons.torch_compile import recompiles as rcm
+
+    limit = rcm.recompile_limit()
+    sizes = list(range(2, limit + 5))  # more distinct sizes than the limit: Dynamo warns
+    report = rcm.run_shapes(lambda x: x * 2 + 1, sizes, "static",
+                            lambda n: torch.ones(n, 3))
+    out = capsys.readouterr()
+    assert report.eager_fallbacks > 0
+    assert "Dynamo warned" in out.out and "recompile_limit" in out.out, out.out
+    assert "recompile_limit" not in out.err
+    import logging
+    assert not any(type(h).__name__ == "_Print" for h in logging.getLogger("torch._dynamo").handlers)

@@ -17,12 +17,27 @@ def start(device: str = "auto") -> torch.device:
 
     pio.renderers.default = "plotly_mimetype"
     pd.set_option("display.max_colwidth", None)  # a table's text is read whole, not cut at 50
+    # six significant digits, no padding zeros: a share reads 0.0265, a whole ratio 1, never 1.000000
+    pd.set_option("display.float_format", "{:.6g}".format)
+    warnings_as_text()
     np.set_printoptions(legacy="1.25")  # a printed scalar reads 256.0, not np.float64(256.0)
     show_counts_as_integers()
     reset_claims()
     dev = select_device(device)
     print(describe())
     return dev
+
+
+def warnings_as_text() -> None:
+    """Python warnings print under the cell as plain text, "warning (Category): message", once
+    each as Python's filters decide, instead of going to stderr, which a notebook shows as a red
+    box that reads as a crash. They are shown, not dropped."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning ({category.__name__}): {message}")
+
+    warnings.showwarning = show
 
 
 def whole_counts(table: pd.DataFrame | pd.Series) -> pd.DataFrame | pd.Series:

@@ -198,10 +198,10 @@ GPU_SHAPES = (*[prefill(s) for s in (16, 64, 256, 1024, 4096)],
 
 def record(device="cuda", config: ModelConfig | None = None,
            shapes: Sequence[ForwardShape] | None = None, engine: dict | None = None,
-           rounds: int = 5) -> dict:
+           rounds: int = 5, repeats: int = 10) -> dict:
     """`make record`: bench_1b (bf16) on the roofline eager and replayed, plain and with the
     fused layer ops (``fused``), each shape's cases and its op-issue floor in ``rounds``
-    interleaved rounds; profiles of an eager decode and long prefill (and the fused decode);
+    interleaved rounds of ``repeats`` samples; profiles of an eager decode and long prefill (and the fused decode);
     a decode step's time against 4x its context (``context_growth``, replayed); and
     ``chunked_prefill.record_engine``."""
     from labkit.lessons.prefill_vs_decode import chunked_prefill
@@ -212,7 +212,7 @@ def record(device="cuda", config: ModelConfig | None = None,
     model = random_model(config, seed=0, device=dev)
     shapes = list(shapes or GPU_SHAPES)
     modes = MODES if dev.type == "cuda" else ("eager",)
-    both = time_forwards(model, shapes, modes, rounds=rounds, fused_ops=(False, True))
+    both = time_forwards(model, shapes, modes, repeats, rounds=rounds, fused_ops=(False, True))
     points, fused_points = both[~both.fused], both[both.fused]
     prefills, decodes = ([s for s in shapes if s.kind == k] for k in KINDS)
     profiled = prefills[-1:] + decodes[:1]  # as listed: the longest prefill, smallest decode

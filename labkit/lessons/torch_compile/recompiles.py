@@ -73,6 +73,24 @@ def captured_logs(artifact: str):
         torch._logging.set_logs()
 
 
+@contextlib.contextmanager
+def dynamo_warnings_as_text():
+    """Dynamo's warnings (the recompile limit's among them) print whole under the cell as plain
+    text, prefixed "Dynamo warned", instead of going to stderr: a notebook shows stderr as a red
+    box that reads as a crash. Nothing is dropped; torch's own handlers come back afterwards."""
+    class _Print(logging.Handler):
+        def emit(self, record):
+            print(f"Dynamo warned ({record.name}): {record.getMessage()}")
+
+    logger = logging.getLogger("torch._dynamo")
+    saved = logger.handlers[:]
+    logger.handlers = [_Print(logging.WARNING)]
+    try:
+        yield
+    finally:
+        logger.handlers = saved
+
+
 class CompileCounter:
     """A backend that counts compiles and calls that ran a compiled graph, then runs ``backend``."""
 
@@ -129,7 +147,8 @@ def run_shapes(fn: Callable, sizes: Sequence[int], strategy: str, make_input: Ca
     ``fn`` must treat rows independently (as a model's per-token layers do), so padded rows
     cannot change the real ones. ``backend="eager"`` keeps this fast: guards and recompiles
     belong to Dynamo and are the same whichever backend compiles the graphs. Dynamo's warning
-    when a function hits the recompile limit is left to show: it is the one sign a user gets.
+    when a function hits the recompile limit is shown, as plain text: it is the one sign a user
+    gets.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -139,7 +158,7 @@ def run_shapes(fn: Callable, sizes: Sequence[int], strategy: str, make_input: Ca
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=counter, dynamic=_DYNAMIC[strategy])
     rows, err = [], 0.0
-    with captured_logs("recompiles") as messages, torch.no_grad():
+    with captured_logs("recompiles") as messages, dynamo_warnings_as_text(), torch.no_grad():
         for n in sizes:
             x = make_input(n)
             before = (counter.compiles, counter.graph_calls)
