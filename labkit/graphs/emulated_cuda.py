@@ -33,6 +33,7 @@ runs at once, in issue order.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -277,6 +278,11 @@ def _passing_through():
     finally:
         for m in modes:
             m.passing = False
+
+
+def cuda_for(device):
+    """``torch.cuda`` on a CUDA device, this stand-in elsewhere: one ``cuda`` for both."""
+    return torch.cuda if torch.device(device).type == "cuda" else sys.modules[__name__]
 
 
 def order(device) -> contextlib.AbstractContextManager:

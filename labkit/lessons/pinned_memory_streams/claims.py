@@ -300,14 +300,16 @@ def step_claims(df: pd.DataFrame, *, recorded=None) -> list:
     ideal_ms = max(float(over.prep_ms), float(over.compute_ms))
     if "gpu_busy_ms" not in df or pd.isna(over.get("gpu_busy_ms")):
         phases = {p: Spread.of(over[f"{p}_ms_rounds"]) for p in ("prepare", "enqueue")}
-        alone = float(over.prep_ms) + float(over.compute_ms)
+        # against the two phases measured in the same rounds, not the loop's nominal times
+        summed = per_round(lambda s, p, e: s / (p + e), s_over, phases["prepare"],
+                           phases["enqueue"])
         return made + [claim(
             "On the CPU both loops run on the same cores: the overlapped step takes {over:.2f} "
             "ms ({serial:.2f} serially), of which preparing is {prep:.2f} and the compute, run "
-            "at once inside its launch, {enq:.2f}: no shorter than prepare + compute timed "
-            "alone ({alone:.2f} ms). Nothing overlaps without a second device.",
-            s_over.low >= 0.9 * alone, over=s_over, serial=s_serial, prep=phases["prepare"],
-            enq=phases["enqueue"], alone=alone)]
+            "at once inside its launch, {enq:.2f}: {summed:.2fx} their sum, no shorter in any "
+            "round (within 10%). Nothing overlaps without a second device.",
+            summed.low >= 0.9, over=s_over, serial=s_serial, prep=phases["prepare"],
+            enq=phases["enqueue"], summed=summed)]
     gain = per_round(lambda a, b: a / b, s_serial, s_over)
     bound = _overlapped_bound(over)
     ph, host, gpu, fit = bound["phases"], bound["host"], bound["gpu"], bound["fit"]

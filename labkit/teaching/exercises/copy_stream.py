@@ -19,6 +19,7 @@ import random
 
 import torch
 
+from labkit.graphs import emulated_cuda
 from labkit.teaching.exercises import Case, Exercise
 
 SLEEP_MS = 2.0  # the compute stream's work before it reads a batch (GPU only)
@@ -55,23 +56,15 @@ def _cases(seed: int, device) -> list[Case]:
                  ([host(n, torch.int64), host(n + 7, torch.int64), host(n, torch.int64)],))]
 
 
-def _cuda_for(device):
-    from labkit.graphs import emulated_cuda
-
-    return torch.cuda if device.type == "cuda" else emulated_cuda
-
-
 def _run(fn, case: Case) -> dict:
     (hosts,) = case.args
     device = torch.device("cuda" if hosts[0].is_pinned() else "cpu")
-    cuda = _cuda_for(device)
+    cuda = emulated_cuda.cuda_for(device)
     if device.type == "cuda":
         outs = fn(cuda, hosts, _compute(device), device)
         torch.cuda.synchronize()
         missing = 0
     else:
-        from labkit.graphs import emulated_cuda
-
         with emulated_cuda.running() as streams:
             outs = fn(cuda, hosts, _compute(device), device)
         missing = len(streams.missing_record_stream())

@@ -16,6 +16,7 @@ import random
 
 import torch
 
+from labkit.graphs import emulated_cuda
 from labkit.lessons.cuda_graphs import pitfalls as graph_pitfalls
 from labkit.teaching.exercises import Case, Exercise
 
@@ -105,12 +106,6 @@ class WatchedCuda:
         return getattr(self._cuda, name)
 
 
-def _cuda_for(device: torch.device):
-    from labkit.graphs import emulated_cuda
-
-    return torch.cuda if device.type == "cuda" else emulated_cuda
-
-
 def _raw_cases(seed: int, device) -> list[Case]:
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -140,7 +135,7 @@ def _capture_error(error: BaseException) -> str | None:
 
 def _raw_run(fn, case: Case) -> dict:
     step, example, batches = case.args
-    cuda = WatchedCuda(_cuda_for(example.device))
+    cuda = WatchedCuda(emulated_cuda.cuda_for(example.device))
     before = example.clone()
     try:
         outs = fn(cuda, step, example, batches)
