@@ -54,6 +54,7 @@ def test_a_target_is_met_only_when_the_whole_range_clears_it():
 def test_a_spread_formats_with_its_range():
     assert f"{Spread.of([2.2, 2.31, 2.45]):.2fx}" == "2.31x (2.20-2.45, 3 rounds)"
     assert f"{Spread.of([10.0, 12.5, 11.0]):.1f}" == "11.0 (10.0-12.5, 3 rounds)"
+    assert f"{Spread.of([7.59]):.1fx}" == "7.6x", "one value has no range to show"
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 2, 2.5])

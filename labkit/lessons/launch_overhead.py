@@ -220,17 +220,23 @@ def timeline_claims(eager: dict, fast: dict, fast_mode: str, n_kernels: int, *,
     ]
 
 
-def chain_rounds(numel: int, n_kernels: int, factor: int, device, rounds: int = 3,
-                 repeats: int = 15) -> dict:
-    """Per-kernel eager time of a chain of ``n_kernels`` and one ``factor`` times longer, timed
-    in interleaved rounds (microseconds per kernel, one value per round each)."""
+def per_kernel_rounds(chains: dict[str, tuple[str, int]], numel: int, device, rounds: int = 3,
+                      repeats: int = 15) -> dict:
+    """Each chain ``name: (mode, n_kernels)`` of ``numel``-element ops timed in interleaved
+    rounds: ``{name}_us``, microseconds per kernel, one value per round."""
     from labkit.measure.rounds import interleaved
 
     dev = select_device(device)
-    lengths = {"base": n_kernels, "longer": factor * n_kernels}
-    r = interleaved({k: chain_runner("eager", numel, n, dev) for k, n in lengths.items()},
+    r = interleaved({k: chain_runner(mode, numel, n, dev) for k, (mode, n) in chains.items()},
                     rounds=rounds, repeats=repeats, device=dev)
-    return {f"{k}_us": [v / n for v in r.us(k).values] for k, n in lengths.items()}
+    return {f"{k}_us": [v / n for v in r.us(k).values] for k, (_, n) in chains.items()}
+
+
+def chain_rounds(numel: int, n_kernels: int, factor: int, device, rounds: int = 3,
+                 repeats: int = 15) -> dict:
+    """Per-kernel eager time of a chain of ``n_kernels`` and one ``factor`` times longer."""
+    return per_kernel_rounds({"base": ("eager", n_kernels), "longer": ("eager", factor * n_kernels)},
+                             numel, device, rounds, repeats)
 
 
 def chain_length_claim(base_us, longer_us, n_kernels: int, factor: int, numel: int):
@@ -244,13 +250,10 @@ def chain_length_claim(base_us, longer_us, n_kernels: int, factor: int, numel: i
     longer = Spread.of(longer_us if isinstance(longer_us, (list, tuple)) else [longer_us])
     ratio = Spread.of([b / a for a, b in zip(base.values, longer.values)])
     whole = Spread.of([factor * v for v in ratio.values])
-    one = ratio.rounds == 1
-    return claim("A chain of {longer_n} kernels costs {longer_us} us per kernel at {numel:,} "
-                 "elements against {base_us} us in the {n}-kernel chain, so the whole chain "
-                 "took {whole} as long for {factor}x the kernels: the cost is paid per "
+    return claim("A chain of {longer_n} kernels costs {longer_us:.2f} us per kernel at {numel:,} "
+                 "elements against {base_us:.2f} us in the {n}-kernel chain, so the whole chain "
+                 "took {whole:.1fx} as long for {factor}x the kernels: the cost is paid per "
                  "kernel (a cost per chain would have kept it near 1x).",
                  ratio.above(0.5) and ratio.below(2.0), longer_n=factor * n_kernels,
-                 longer_us=f"{longer.median:.2f}" if one else f"{longer:.2f}",
-                 numel=numel, base_us=f"{base.median:.2f}" if one else f"{base:.2f}",
-                 n=n_kernels, whole=f"{whole.median:.1f}x" if one else f"{whole:.1fx}",
+                 longer_us=longer, numel=numel, base_us=base, n=n_kernels, whole=whole,
                  factor=factor)

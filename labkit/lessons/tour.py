@@ -213,14 +213,10 @@ def launch_floor_claim(launch_us: float, ceil: dict):
 def graph_floor(device, numel: int = 16, n_kernels: int = 64, rounds: int = 5) -> dict:
     """Per-kernel time of a chain of tiny ops, eager against one graph replay, in interleaved
     rounds (microseconds per kernel): the launch floor with and without the host."""
-    from labkit.lessons.launch_overhead import chain_runner
-    from labkit.measure.rounds import interleaved
+    from labkit.lessons.launch_overhead import per_kernel_rounds
 
-    r = interleaved({m: chain_runner(m, numel, n_kernels, device) for m in ("eager", "graph")},
-                    rounds=rounds, device=device)
-    per = 1.0 / n_kernels
-    return {"eager_us": [v * per for v in r.us("eager").values],
-            "graph_us": [v * per for v in r.us("graph").values]}
+    return per_kernel_rounds({m: (m, n_kernels) for m in ("eager", "graph")}, numel, device,
+                             rounds, repeats=10)
 
 
 def recorded_graph_floor(sweep: dict) -> dict:
@@ -238,15 +234,11 @@ def graph_floor_claim(floor: dict, recorded=None):
     eager, graph = Spread.of(floor["eager_us"]), Spread.of(floor["graph_us"])
     gain = Spread.of([e / g for e, g in zip(floor["eager_us"], floor["graph_us"])])
     where = "" if recorded is None else f" on {recorded.fingerprint['gpu']} (recorded)"
-    one = gain.rounds == 1  # a recording keeps the medians only
-
-    def shown(v, spec):
-        return f"{v.median:{spec}}" if one else f"{v:{spec}}"
-    return claim("The third ceiling is the launch floor{where}: a tiny kernel costs {e} us "
-                 "launched eagerly and {g} us replayed from a CUDA Graph, {x}x less{every}. A "
-                 "graph leaves the GPU's own per-kernel cost; the host's share is gone.",
-                 gain.above(1.0), where=where, e=shown(eager, ".2f"), g=shown(graph, ".2f"),
-                 x=shown(gain, ".1f"), every="" if one else " in every round",
+    return claim("The third ceiling is the launch floor{where}: a tiny kernel costs {e:.2f} us "
+                 "launched eagerly and {g:.2f} us replayed from a CUDA Graph, {x:.1fx} less{every}. "
+                 "A graph leaves the GPU's own per-kernel cost; the host's share is gone.",
+                 gain.above(1.0), where=where, e=eager, g=graph, x=gain,
+                 every="" if gain.rounds == 1 else " in every round",
                  recorded=recorded)
 
 

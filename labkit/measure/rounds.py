@@ -69,9 +69,12 @@ class Spread:
         return self.high < target
 
     def __format__(self, spec: str) -> str:
-        """``f"{s:.1f}"`` -> '12.3 (11.9-12.8, 5 rounds)'; a trailing 'x' formats a ratio."""
+        """``f"{s:.1f}"`` -> '12.3 (11.9-12.8, 5 rounds)'; a trailing 'x' formats a ratio. One
+        value (a recording that kept the median only) has no range: '12.3'."""
         unit, spec = ("x", spec[:-1]) if spec.endswith("x") else ("", spec)
         spec = spec or ".3g"
+        if self.rounds == 1:
+            return f"{self.median:{spec}}{unit}"
         return (f"{self.median:{spec}}{unit} ({self.low:{spec}}-{self.high:{spec}}, "
                 f"{self.rounds} round{'s' if self.rounds != 1 else ''})")
 
