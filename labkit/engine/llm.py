@@ -12,7 +12,9 @@ step N's tokens: the device never waits for Python between steps. Times come fro
 a token exists when the host has read it. TTFT is from arrival to the first token, TPOT the mean
 gap between the following ones.
 
-Every optimisation can be switched off for a comparison: ``enforce_eager`` (no CUDA Graphs),
+Every optimisation can be switched off for a comparison: ``cudagraph_mode`` (which steps
+replay graphs: "none", "full_decode_only", "piecewise", "full_and_piecewise"; ``enforce_eager``
+is "none"),
 ``backend=`` (one attention backend instead of auto), ``enable_prefix_caching``, and a small
 ``max_num_batched_tokens`` forces chunked prefill.
 """
@@ -31,67 +33,14 @@ from labkit.device import select_device
 from labkit.engine.config import ModelConfig
 from labkit.engine.inputs import check_params, params_for, prompt_list, token_ids_of
 from labkit.engine.model import LlamaModel
-from labkit.engine.request import Request, ScheduledStep, Status, StepStats
-from labkit.engine.runner import ModelRunner
+from labkit.engine.outputs import FINISH_REASONS, EngineStats, RequestOutput, StepRecord
+from labkit.engine.request import Request, ScheduledStep
+from labkit.engine.runner import ModelRunner, resolve_cudagraph_mode
 from labkit.engine.sampling import SamplingParams, request_generator, sample
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
 from labkit.engine.weights import load_model, random_model
 from labkit.kvcache import BlockManager
 from labkit.overlap import InFlightCopy, start_copy_to_host
-
-FINISH_REASONS = {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "length",
-                  Status.FINISHED_ERROR: "error"}
-
-
-@dataclass
-class RequestOutput:
-    index: int                       # position in the prompts given to generate()
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str               # "stop" (a stop token), "length" or "error"
-    error: str | None = None         # why the request was refused: the others still ran
-    ttft_s: float | None = None      # arrival -> first token
-    tpot_s: float | None = None      # mean time between later tokens; None with one token
-    token_times_s: list[float] = field(default_factory=list)  # each token, since arrival
-    num_cached_tokens: int = 0       # prompt tokens served by the prefix cache (last admission)
-    num_preemptions: int = 0
-    text: str | None = None          # decoded, when the LLM has a tokenizer
-    request_id: int = -1             # add_request's id (generate's index is the prompt's place)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    stats: StepStats
-    graph_batch: int | None          # the graph bucket a decode step replayed; None: eager
-    start_s: float                   # on the engine's clock
-    end_s: float                     # after the device finished the step and its sampling
-
-    @property
-    def duration_s(self) -> float:
-        return self.end_s - self.start_s
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_steps: int
-    num_graph_steps: int
-    prefill_tokens: int
-    decode_tokens: int
-    padded_rows: int
-    prefix_hit_tokens: int
-    preemptions: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Of the prompt tokens admitted (recomputes included), the share served from the
-        prefix cache instead of computed."""
-        total = self.prefix_hit_tokens + self.prefill_tokens
-        return self.prefix_hit_tokens / total if total else 0.0
-
 
 @dataclass
 class _Live:
@@ -112,6 +61,7 @@ class _Launched:
     host: InFlightCopy | None    # the non-blocking device-to-host copy (None on CPU)
     graph_batch: int | None
     start_s: float
+    graph_tokens: int | None = None
 
 
 class LLM:
@@ -120,11 +70,15 @@ class LLM:
     ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold (default: every running
     request at full length; on a GPU at most half the free memory). A step computes at most
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` requests. ``backend``: "auto"
-    or a name of ``labkit.attention.BACKENDS``; ``enforce_eager`` turns CUDA Graphs off.
+    or a name of ``labkit.attention.BACKENDS``. ``cudagraph_mode`` says which steps replay CUDA
+    Graphs (``labkit.engine.runner`` explains the four modes; None: "full_decode_only" on CUDA,
+    "none" elsewhere); ``enforce_eager=True`` is "none". ``cudagraph_capture_sizes``: the token
+    counts piecewise graphs are captured for (default ``default_token_buckets``).
     ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
     ``fused_ops`` runs each layer's small ops as three fused Triton kernels (default: on with
     CUDA Graphs, i.e. CUDA and not ``enforce_eager``): replayed, a step is GPU time and the
     fused kernels save it (``recorded_data/prefill_vs_decode.json`` has the measured gain);
+    with graphs here meaning any ``cudagraph_mode`` but "none";
     launched eagerly, a step is host launch time, which varies more than fusing saves, so the
     default asks for graphs. On CPU the kernels run in Triton's interpreter. A model built here
     is built with that choice; a LlamaModel given keeps its own for direct calls, and the
@@ -139,7 +93,8 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  device: str | torch.device = "auto", dtype: torch.dtype | None = None,
                  seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None,
-                 fused_ops: bool | None = None):
+                 fused_ops: bool | None = None, cudagraph_mode: str | None = None,
+                 cudagraph_capture_sizes: Sequence[int] | None = None):
         # The engine's own arguments first, by the names given here: a bad one must not surface
         # later as a derived quantity (num_blocks) the caller never passed.
         check_positive_int("max_num_seqs", max_num_seqs, hint="running requests at once")
@@ -159,8 +114,9 @@ class LLM:
         self.device = select_device(device)
         if isinstance(model, LlamaModel):
             self.device = model.embed_tokens.device  # a LlamaModel given stays where it is
+        mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
         if fused_ops is None:
-            fused_ops = self.device.type == "cuda" and not enforce_eager
+            fused_ops = self.device.type == "cuda" and mode != "none"
         fused_ops = bool(fused_ops)
         if isinstance(model, LlamaModel):
             self.model = model  # built already: the runner runs it with fused_ops
@@ -178,7 +134,9 @@ class LLM:
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            backend=backend, enforce_eager=enforce_eager, fused_ops=fused_ops)
+            backend=backend, fused_ops=fused_ops, cudagraph_mode=mode,
+            token_buckets=None if cudagraph_capture_sizes is None else tuple(
+                cudagraph_capture_sizes), max_num_batched_tokens=max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
         self.async_scheduling = (self.device.type == "cuda" if async_scheduling is None
@@ -204,6 +162,11 @@ class LLM:
     @property
     def backend(self) -> str:
         return self.runner.backend.name
+
+    @property
+    def cudagraph_mode(self) -> str:
+        """Which steps replay CUDA Graphs (see ``labkit.engine.runner``)."""
+        return self.runner.cudagraph_mode
 
     @property
     def fused_ops(self) -> bool:
@@ -334,7 +297,7 @@ class LLM:
         if self.device.type == "cuda":
             buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
             host = start_copy_to_host(tokens, buf[:tokens.numel()])
-        return _Launched(step, rows, tokens, host, out.graph_batch, start)
+        return _Launched(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens)
 
     def _complete(self, done: _Launched) -> list[RequestOutput]:
         sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
@@ -345,7 +308,7 @@ class LLM:
             if keep:
                 entry.token_times_s.append(end - entry.arrival_s)
         self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
-                                            end))
+                                            end, done.graph_tokens))
         return [self._output(self._live.pop(r.request_id)) for r in finished]
 
     def _abort_all(self) -> None:
@@ -385,12 +348,15 @@ class LLM:
             decode_tokens=sum(s.num_decode_tokens for s in h),
             padded_rows=sum(s.padded_rows for s in h),
             prefix_hit_tokens=sum(s.prefix_hit_tokens for s in h),
-            preemptions=sum(s.num_preempted for s in h))
+            preemptions=sum(s.num_preempted for s in h),
+            num_piecewise_steps=sum(r.graph_tokens is not None for r in self.step_history),
+            padded_tokens=sum(r.padded_tokens for r in self.step_history))
 
     def history_table(self):
         """One row per step: the scheduler's statistics, graph or eager, and its time."""
         import pandas as pd
 
-        return pd.DataFrame([{**asdict(r.stats), "graph_batch": r.graph_batch,
+        return pd.DataFrame([{**asdict(r.stats), "graph": r.graph, "graph_batch": r.graph_batch,
+                              "graph_tokens": r.graph_tokens, "padded_tokens": r.padded_tokens,
                               "start_ms": r.start_s * 1e3, "duration_ms": r.duration_s * 1e3}
                              for r in self.step_history])

@@ -104,11 +104,25 @@ class DecoderLayer(nn.Module):
         """x: [T, hidden], the previous block's output, not yet added to ``residual`` (the
         stream; None in the first layer) -> this layer's (x, residual). Each add is done by the
         norm that follows it (``ops.add_rms_norm``), so a fused kernel can do both at once."""
+        q, k, v, residual = self.before_attention(x, residual, rotary, ops)
+        return self.after_attention(attention(layer, q, k, v), residual, ops)
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rotary, ops):
+        """The layer up to attention -> (q, k, v, residual), q and k rotated. Nothing here
+        depends on where a token's sequence starts or what it attends to: only the token
+        count fixes the shapes, which is what a piecewise graph keys on."""
         c = self.config
         h, residual = ops.add_rms_norm(x, residual, self.input_norm, c.rms_norm_eps)
         q, k, v = ops.rope_qkv(F.linear(h, self.qkv_proj), rotary, c.num_attention_heads,
                                c.num_key_value_heads)
-        out = attention(layer, q, k, v).reshape(q.shape[0], c.q_size)
+        return q, k, v, residual
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor, ops
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output [T, Hq, D] (or [T, q_size]) -> this layer's (x, residual): the
+        output projection, the second norm and the MLP, token by token as well."""
+        c = self.config
+        out = out.reshape(out.shape[0], c.q_size)
         h, residual = ops.add_rms_norm(F.linear(out, self.o_proj), residual,
                                        self.post_attention_norm, c.rms_norm_eps)
         return F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
@@ -145,12 +159,16 @@ class LlamaModel(nn.Module):
                       attention: AttentionFn, *, fused_ops: bool | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]. ``fused_ops``:
         which ops run the layers (None: the model's own choice)."""
-        ops = FusedOps if (self.fused_ops if fused_ops is None else fused_ops) else PlainOps
+        ops = self.ops(fused_ops)
         x, residual = F.embedding(input_ids, self.embed_tokens), None
         rotary = ops.rotary(positions, self.inv_freq)
         for i, layer in enumerate(self.layers):
             x, residual = layer(i, x, residual, rotary, attention, ops)
         return ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0]
+
+    def ops(self, fused_ops: bool | None = None):
+        """The small ops the layers run: ``FusedOps`` or ``PlainOps`` (None: the model's own)."""
+        return FusedOps if (self.fused_ops if fused_ops is None else fused_ops) else PlainOps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab]; an engine passes only each sequence's last token."""

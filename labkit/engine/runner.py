@@ -12,10 +12,22 @@ For each step it
    cache: so a row reads its cached context and its own new tokens alike;
 4. returns the logits of the rows that sample (``logits_indices``), nothing else.
 
-Decode-only steps on a GPU replay a CUDA Graph from a :class:`~labkit.graphs.GraphPool`,
-padded to their batch bucket: every row there is one token, so the shapes depend only on the
-batch. Padding rows carry -1 everywhere: slot -1 is never written (``store_kv``), and their
-outputs are dropped. On CPU, or with ``enforce_eager=True``, every step runs eagerly.
+``cudagraph_mode`` says which steps replay graphs (``CUDAGRAPH_MODES``):
+
+* ``"full_decode_only"``: decode-only steps replay a full CUDA Graph of the whole forward from a
+  :class:`~labkit.graphs.GraphPool`, padded to their batch bucket: every row there is one token,
+  so the shapes depend only on the batch. Padding rows carry -1 everywhere: slot -1 is never
+  written (``store_kv``), and their outputs are dropped. Every other step runs eagerly.
+* ``"piecewise"``: every step of at most the largest token bucket replays piecewise graphs
+  (``labkit.engine.pieces``): the work between attentions captured per token count, attention
+  run eagerly between the pieces with the step's real metadata, so any mix of prefill chunks
+  and decodes replays. Attention is never captured, so any backend serves.
+* ``"full_and_piecewise"``: full graphs for decode-only steps, piecewise for the rest.
+* ``"none"``: every step eager (``enforce_eager=True``).
+
+On CPU the default is ``"none"``; ``"piecewise"`` captures with labkit's CPU stand-in
+(``labkit.graphs.emulated_cuda``): no faster, but frozen the same way, so a piece that read a
+value back to the host or a buffer it does not own fails on a laptop as on a GPU.
 """
 from __future__ import annotations
 
@@ -33,12 +45,44 @@ from labkit.attention import (BACKENDS, AttentionSpec, Backend, BackendUnavailab
 from labkit.engine.model import LlamaModel
 from labkit.engine.request import ScheduledStep
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
+from labkit.engine.pieces import PiecewiseForward
 from labkit.graphs import DEFAULT_BUCKETS, GraphPool
+from labkit.graphs.emulated_cuda import cuda_for
+from labkit.graphs.piecewise import PiecewiseGraphs, default_token_buckets
 from labkit.kvcache import BlockManager, KVCacheShape, PagedKVCache, tokens_that_fit
 
 log = logging.getLogger("labkit.engine")
 
 PAD = -1  # graph padding rows: slot -1 is skipped by store_kv; ids and lengths are clamped to 0
+
+CUDAGRAPH_MODES = ("none", "full_decode_only", "piecewise", "full_and_piecewise")
+# The default on CUDA. vLLM V1's is full_and_piecewise; labkit's stays full_decode_only until
+# benchmarks/engine.py has measured full_and_piecewise beating it on the H200.
+DEFAULT_CUDA_GRAPH_MODE = "full_decode_only"
+
+
+def resolve_cudagraph_mode(cudagraph_mode: str | None, enforce_eager: bool,
+                           device: torch.device) -> str:
+    """The mode a runner on ``device`` uses: ``cudagraph_mode``, or the device's default
+    (``DEFAULT_CUDA_GRAPH_MODE`` on CUDA, ``"none"`` elsewhere); ``enforce_eager`` means
+    ``"none"``."""
+    if cudagraph_mode is not None and cudagraph_mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"cudagraph_mode must be one of {list(CUDAGRAPH_MODES)} or None (the "
+                         f"device's default), got {cudagraph_mode!r}")
+    if enforce_eager:
+        if cudagraph_mode not in (None, "none"):
+            raise ValueError(f"enforce_eager=True means cudagraph_mode='none'; got "
+                             f"cudagraph_mode={cudagraph_mode!r} too: pass one of them")
+        return "none"
+    if cudagraph_mode is None:
+        return DEFAULT_CUDA_GRAPH_MODE if device.type == "cuda" else "none"
+    if cudagraph_mode.startswith("full") and device.type != "cuda":
+        raise ValueError(f"cudagraph_mode={cudagraph_mode!r} captures whole decode steps, "
+                         f"attention included, which needs a CUDA device (labkit's CPU stand-in "
+                         f"records torch ops, and on {device.type} the capturable attention "
+                         "kernels run in Triton's interpreter): on CPU use 'piecewise' or "
+                         "'none'")
+    return cudagraph_mode
 
 
 def choose_backend(spec: AttentionSpec, backend: str = "auto") -> tuple[Backend, list[str]]:
@@ -60,7 +104,8 @@ def choose_backend(spec: AttentionSpec, backend: str = "auto") -> tuple[Backend,
         if prefer is None:
             raise
         hint = "" if spec.cuda_graph == "none" else (
-            "\nOr pass enforce_eager=True: without CUDA Graphs this backend may qualify.")
+            "\nOr pass cudagraph_mode='piecewise' (attention runs eagerly between the graphs) "
+            "or enforce_eager=True: without full CUDA Graphs this backend may qualify.")
         message = str(e).replace("Drop prefer= to let auto selection choose",
                                  "Pass backend='auto' to let selection choose")
         raise BackendUnavailable(message + hint, e.reasons) from None
@@ -88,7 +133,8 @@ def decode_inputs(md: DeviceMetadata) -> tuple[torch.Tensor, ...]:
 @dataclass(frozen=True)
 class StepOutput:
     logits: torch.Tensor          # [num_sampled, vocab], rows in step order
-    graph_batch: int | None       # the bucket a decode step replayed, None when eager
+    graph_batch: int | None       # the bucket a full decode graph replayed at, or None
+    graph_tokens: int | None = None  # the token bucket piecewise graphs replayed at, or None
 
 
 class ModelRunner:
@@ -96,7 +142,9 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  backend: str = "auto", enforce_eager: bool = False,
-                 decode_buckets: tuple[int, ...] | None = None, fused_ops: bool | None = None):
+                 decode_buckets: tuple[int, ...] | None = None, fused_ops: bool | None = None,
+                 cudagraph_mode: str | None = None, token_buckets: tuple[int, ...] | None = None,
+                 max_num_batched_tokens: int = 2048):
         c = model.config
         self.model = model
         # The layer ops of every step and of every captured graph; None: the model's own choice.
@@ -114,12 +162,9 @@ class ModelRunner:
         check_power_of_two("block_size", block_size,
                            hint="16 is usual; the triton backend takes 16 to 256")
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
-        self.use_graphs = self.device.type == "cuda" and not enforce_eager
-        self.spec = AttentionSpec.here(
-            self.device, num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim, dtype=self.dtype, block_size=block_size, mixed_batch=True,
-            cuda_graph="uniform_decode" if self.use_graphs else "none")
-        self.backend, self.selection_log = choose_backend(self.spec, backend)
+        self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
+        self.backend, self.selection_log = self._choose_backend(backend, block_size)
+        self.use_graphs = self.cudagraph_mode.startswith("full")
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
         # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
         # only where the Triton backend is asked for (the whole Triton path, end to end).
@@ -138,6 +183,36 @@ class ModelRunner:
         if self.use_graphs:
             self.decode_buckets = buckets
             self._capture_decode_graphs()
+        self.pieces: PiecewiseForward | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        if self.cudagraph_mode.endswith("piecewise"):
+            self._capture_piecewise_graphs(token_buckets or default_token_buckets(
+                max_num_batched_tokens))
+
+    def _choose_backend(self, backend: str, block_size: int):
+        """Full graphs capture attention, so they need a backend that can be captured;
+        piecewise graphs run it eagerly, so any backend serves. With full_and_piecewise, a
+        backend named that cannot be captured keeps piecewise graphs only (as vLLM does)."""
+        c = self.model.config
+
+        def spec(graph: str) -> AttentionSpec:
+            return AttentionSpec.here(
+                self.device, num_q_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
+                block_size=block_size, mixed_batch=True, cuda_graph=graph)
+
+        full = self.cudagraph_mode.startswith("full")
+        self.spec = spec("uniform_decode" if full else "none")
+        try:
+            return choose_backend(self.spec, backend)
+        except BackendUnavailable:
+            if self.cudagraph_mode != "full_and_piecewise" or backend == "auto":
+                raise
+        self.cudagraph_mode, self.spec = "piecewise", spec("none")
+        chosen, lines = choose_backend(self.spec, backend)
+        return chosen, [*lines, f"cudagraph_mode: {backend} cannot be captured in a full "
+                                "decode graph, so every step replays piecewise graphs "
+                                "(attention eager between them)"]
 
     # ------------------------------------------------------------------ KV cache
     def _make_cache(self, num_blocks, kv_cache_memory, block_size, max_num_seqs) -> PagedKVCache:
@@ -239,6 +314,15 @@ class ModelRunner:
             graph_batch = key[0] if key is not None else None
         md = build_step_metadata(step, bm)
         dev = self.to_device(md, prev_tokens)
+        tokens = md.num_tokens
+        if graph_batch is None and self.piecewise is not None and \
+                (bucket := self.piecewise.bucket_for(tokens)) is not None:
+            self.pieces.load(dev.input_ids, dev.positions, bucket)
+            attention = self._attention(dev, md.max_seqlen_q)
+            self.piecewise.run(tokens, lambda layer: self.pieces.attend(layer, tokens, attention))
+            hidden = self.pieces.hidden[:tokens]
+            return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]),
+                              None, bucket)
         if graph_batch is not None:
             # The graph reads block tables of one fixed width; only the used columns cross the
             # bus, the rest is padded on the device.
@@ -266,6 +350,21 @@ class ModelRunner:
         hidden = self.model.hidden_states(md.input_ids, md.positions, self._attention(md, 1),
                                           fused_ops=self.fused_ops)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_piecewise_graphs(self, buckets) -> None:
+        ops = self.model.ops(self.fused_ops)
+        if self.device.type != "cuda" and self.fused_ops:
+            raise ValueError("on CPU, piecewise graphs are captured by labkit's stand-in, which "
+                             "records torch ops and cannot see the fused Triton kernels: pass "
+                             "fused_ops=False with cudagraph_mode='piecewise'")
+        self.pieces = PiecewiseForward(self.model, ops, max(buckets))
+        self.piecewise = PiecewiseGraphs(self.pieces.pieces(), buckets,
+                                         cuda=cuda_for(self.device))
+        stats = self.piecewise.capture()
+        log.info(f"captured {stats.num_graphs} piecewise graphs ({stats.num_pieces} pieces x "
+                 f"{len(stats.buckets)} token buckets up to {max(buckets)}) in "
+                 f"{stats.capture_ms:.0f} ms")
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:

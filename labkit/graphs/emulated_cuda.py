@@ -212,6 +212,11 @@ def synchronize(device=None) -> None:
         s.synchronize()
 
 
+def graph_pool_handle():
+    """A shared memory pool for graphs: one CPU thread has nothing to share, so None."""
+    return None
+
+
 def is_current_stream_capturing() -> bool:
     return bool(_capturing)
 

@@ -72,19 +72,21 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def capture_graph(fn: Callable, warmup: int = 2, pool=None, side: torch.cuda.Stream | None = None):
+def capture_graph(fn: Callable, warmup: int = 2, pool=None, side=None, cuda=None):
     """Warm ``fn()`` up on a side stream, then capture it: returns (graph, fn's outputs).
 
     Warm-up first, so lazy initialisation, autotuning and first allocations (which may
-    synchronise with the host, illegal during capture) happen outside the graph.
+    synchronise with the host, illegal during capture) happen outside the graph. ``cuda``:
+    ``torch.cuda`` (the default) or labkit's CPU stand-in (``labkit.graphs.emulated_cuda``).
     """
-    side = side or torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    cuda = cuda or torch.cuda
+    side = side or cuda.Stream()
+    side.wait_stream(cuda.current_stream())
+    with cuda.stream(side):
         for _ in range(warmup):
             fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    cuda.current_stream().wait_stream(side)
+    graph = cuda.CUDAGraph()
     # The cyclic collector is held off while capturing: freeing an unreachable old graph then
     # destroys it, which CUDA forbids during a capture (it invalidates this one), and torch no
     # longer collects before capture unless torch.compiler.config.force_cudagraph_gc is set.
@@ -93,7 +95,7 @@ def capture_graph(fn: Callable, warmup: int = 2, pool=None, side: torch.cuda.Str
     try:
         # Capture on the warm-up stream: per-stream state made during warm-up (cuBLAS keeps a
         # workspace per stream, 32 MiB on Hopper) is then reused instead of landing in the graph.
-        with torch.cuda.graph(graph, pool=pool, stream=side):
+        with cuda.graph(graph, pool=pool, stream=side):
             outputs = fn()
     finally:
         if collecting:

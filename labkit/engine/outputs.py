@@ -1,0 +1,77 @@
+"""What the engine hands back: each request's output, each step's record, the totals."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from labkit.engine.request import Status, StepStats
+
+FINISH_REASONS = {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "length",
+                  Status.FINISHED_ERROR: "error"}
+
+
+@dataclass
+class RequestOutput:
+    index: int                       # position in the prompts given to generate()
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str               # "stop" (a stop token), "length" or "error"
+    error: str | None = None         # why the request was refused: the others still ran
+    ttft_s: float | None = None      # arrival -> first token
+    tpot_s: float | None = None      # mean time between later tokens; None with one token
+    token_times_s: list[float] = field(default_factory=list)  # each token, since arrival
+    num_cached_tokens: int = 0       # prompt tokens served by the prefix cache (last admission)
+    num_preemptions: int = 0
+    text: str | None = None          # decoded, when the LLM has a tokenizer
+    request_id: int = -1             # add_request's id (generate's index is the prompt's place)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    stats: StepStats
+    graph_batch: int | None          # the full graph's batch bucket a decode step replayed
+    start_s: float                   # on the engine's clock
+    end_s: float                     # after the device finished the step and its sampling
+    graph_tokens: int | None = None  # the token bucket piecewise graphs replayed at
+
+    @property
+    def graph(self) -> str:
+        """How the step ran: "full", "piecewise" or "eager"."""
+        if self.graph_batch is not None:
+            return "full"
+        return "eager" if self.graph_tokens is None else "piecewise"
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens computed and dropped: a decode step's padding rows (one token each) or the
+        padding up to the piecewise token bucket."""
+        if self.graph_tokens is not None:
+            return self.graph_tokens - self.stats.num_tokens
+        return self.stats.padded_rows if self.graph_batch is not None else 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_steps: int
+    num_graph_steps: int             # steps that replayed a full decode graph
+    prefill_tokens: int
+    decode_tokens: int
+    padded_rows: int
+    prefix_hit_tokens: int
+    preemptions: int
+    num_piecewise_steps: int = 0     # steps that replayed piecewise graphs
+    padded_tokens: int = 0           # tokens computed for padding, full and piecewise graphs
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Of the prompt tokens admitted (recomputes included), the share served from the
+        prefix cache instead of computed."""
+        total = self.prefix_hit_tokens + self.prefill_tokens
+        return self.prefix_hit_tokens / total if total else 0.0

@@ -1,0 +1,97 @@
+"""The model's forward cut at attention, over static buffers: what the engine's piecewise graphs
+capture (``labkit.graphs.piecewise``).
+
+With L layers there are L + 1 pieces. Piece 0 embeds the tokens and runs layer 0 up to its
+attention; piece i finishes layer i - 1 (output projection, norm, MLP) and runs layer i up to its
+attention; piece L finishes the last layer and applies the final norm. Each piece reads and
+writes the same buffers every time, ``max_tokens`` rows each, of which a step uses its first
+``bucket`` rows:
+
+    ids, positions        the step's tokens (the runner copies them in; padding rows are 0)
+    qkv                   the rotated q, k and v of the layer whose attention runs next
+    residual              the residual stream
+    attn                  attention's output, written by the eager attention between pieces
+    hidden                the final-normed hidden states, from the last piece
+
+Attention itself (``attend``) runs eagerly between the pieces on the step's real tokens only: it
+stores their K/V in the paged cache and reads each row's context through its block table, so it
+needs the step's metadata, which a graph would have frozen. Padding rows never reach it, and no
+token's row depends on another's outside attention, so what padding computes is never read.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from labkit.engine.model import AttentionFn, LlamaModel, split_heads
+
+
+class PiecewiseForward:
+    def __init__(self, model: LlamaModel, ops, max_tokens: int):
+        c, dev, dtype = model.config, model.embed_tokens.device, model.embed_tokens.dtype
+        self.model, self.ops, self.max_tokens = model, ops, max_tokens
+        self.ids = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.qkv = torch.zeros(max_tokens, c.q_size + 2 * c.kv_size, dtype=dtype, device=dev)
+        self.residual = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=dev)
+        self.attn = torch.zeros(max_tokens, c.q_size, dtype=dtype, device=dev)
+        self.hidden = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=dev)
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.model.layers) + 1
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (
+            self.ids, self.positions, self.qkv, self.residual, self.attn, self.hidden))
+
+    def pieces(self) -> list:
+        return [lambda n, i=i: self.piece(i, n) for i in range(self.num_pieces)]
+
+    def _keep(self, n: int, q, k, v, residual) -> None:
+        c = self.model.config
+        for kept, new in zip(split_heads(self.qkv[:n], c.num_attention_heads,
+                                         c.num_key_value_heads), (q, k, v)):
+            kept.copy_(new)
+        self.residual[:n].copy_(residual)
+
+    def piece(self, i: int, n: int) -> None:
+        """Piece ``i`` on the first ``n`` rows (see the module docstring)."""
+        model, ops, layers = self.model, self.ops, self.model.layers
+        rotary = ops.rotary(self.positions[:n], model.inv_freq)
+        if i == 0:
+            x, residual = F.embedding(self.ids[:n], model.embed_tokens), None
+        else:
+            x, residual = layers[i - 1].after_attention(self.attn[:n], self.residual[:n], ops)
+        if i < len(layers):
+            self._keep(n, *layers[i].before_attention(x, residual, rotary, ops))
+        else:
+            hidden = ops.add_rms_norm(x, residual, model.norm, model.config.rms_norm_eps)[0]
+            self.hidden[:n].copy_(hidden)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
+        """The step's tokens into the static inputs; rows up to ``bucket`` padded with 0."""
+        n = input_ids.shape[0]
+        self.ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        if n < bucket:
+            self.ids[n:bucket].zero_()
+            self.positions[n:bucket].zero_()
+
+    def attend(self, layer: int, n: int, attention: AttentionFn) -> None:
+        """Layer ``layer``'s attention on the ``n`` real tokens, into ``attn``."""
+        c = self.model.config
+        q, k, v = split_heads(self.qkv[:n], c.num_attention_heads, c.num_key_value_heads)
+        self.attn[:n].copy_(attention(layer, q, k, v).reshape(n, c.q_size))
+
+    def eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              attention: AttentionFn) -> torch.Tensor:
+        """The same pieces run eagerly, no graphs: [n] tokens -> hidden states [n, hidden]."""
+        n = input_ids.shape[0]
+        self.load(input_ids, positions, n)
+        for i in range(self.num_pieces):
+            self.piece(i, n)
+            if i < self.num_pieces - 1:
+                self.attend(i, n, attention)
+        return self.hidden[:n]
