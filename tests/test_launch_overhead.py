@@ -91,26 +91,23 @@ def test_notebook_01s_chain_length_claim_fails_when_the_cost_is_not_per_kernel(f
 def test_cpu_sweep_measures_every_size_in_every_round():
     df = lo.sweep([16, 1024], n_kernels=4, modes=("eager",), device="cpu", repeats=3, rounds=4)
     assert list(df.numel) == [16, 1024] and (df.us_per_kernel > 0).all()
-    assert all(len(r) == 4 for r in df.round_p20_us), "one 20th percentile per round"
     assert (df.low_us <= df.us_per_kernel).all() and (df.us_per_kernel <= df.high_us).all()
 
 
-def _rounds(eager_rounds, fast):
-    """A sweep as `lo.sweep` returns it: per size, the eager chain's p20 in each round."""
-    rows = [{"numel": n, "mode": "eager", "us_per_kernel": sorted(r)[len(r) // 2],
-             "p20_us": sorted(r)[len(r) // 2], "round_p20_us": r} for n, r in eager_rounds.items()]
-    rows += [{"numel": n, "mode": "graph", "us_per_kernel": f, "p20_us": f,
-              "round_p20_us": [f] * 3} for n, f in fast.items()]
-    return pd.DataFrame(rows)
+def test_the_two_tiny_sizes_take_turns_and_keep_each_rounds_fastest_sample():
+    flat = lo.flat_cost_rounds([16, 256], n_kernels=4, device="cpu", rounds=3, samples=4)
+    assert sorted(flat) == [16, 256] and all(len(v) == 3 and min(v) > 0 for v in flat.values())
 
 
 def test_the_flat_claim_compares_the_two_sizes_round_by_round(fresh_claims):
+    df = _synthetic({16: 4.0, 256: 4.1, 1024: 9.0}, {16: 1.0, 256: 1.0, 1024: 8.0})
     # the whole machine slowed down in round 2: both sizes alike, so the cost is still flat
-    drift = _rounds({16: [4.0, 6.4, 4.1], 256: [4.1, 6.5, 4.0]}, {16: 1.0, 256: 1.0})
-    assert lo.sweep_claims(drift, "graph", expect_crossover=False)[0].held
+    drift = {16: [4.0, 6.4, 4.1], 256: [4.1, 6.5, 4.0]}
+    claim = lo.sweep_claims(df, "graph", expect_crossover=False, flat=drift)[0]
+    assert claim.held and "3 rounds" in claim.text
     # one round where the larger size cost twice as much: not a fixed cost in every round
-    grows = _rounds({16: [4.0, 4.0, 4.1], 256: [4.1, 8.2, 4.0]}, {16: 1.0, 256: 1.0})
-    assert not lo.sweep_claims(grows, "graph", expect_crossover=False)[0].held
+    grows = {16: [4.0, 4.0, 4.1], 256: [4.1, 8.2, 4.0]}
+    assert not lo.sweep_claims(df, "graph", expect_crossover=False, flat=grows)[0].held
 
 
 @pytest.mark.gpu

@@ -83,9 +83,7 @@ def sweep(numels: Iterable[int], n_kernels: int = 64, modes: Iterable[str] | Non
     Every (size, mode) chain is timed once per round, all of them in turn within a round, so a
     busy spell of the machine lands on every size alike instead of on whichever ran then.
     ``us_per_kernel`` is the median of the round medians, ``low_us``/``high_us`` their range,
-    ``p20_us``/``p80_us`` the median of the rounds' percentiles, and ``round_p20_us`` each
-    round's 20th percentile (what the flat-cost claim compares size against size, round by
-    round)."""
+    ``p20_us``/``p80_us`` the median of the rounds' percentiles."""
     from labkit.measure.rounds import interleaved
 
     dev = select_device(device)
@@ -104,8 +102,28 @@ def sweep(numels: Iterable[int], n_kernels: int = 64, modes: Iterable[str] | Non
                      "high_us": medians.high * scale,
                      "p20_us": statistics.median(t.p20_us for t in per_round) * scale,
                      "p80_us": statistics.median(t.p80_us for t in per_round) * scale,
-                     "round_p20_us": [t.p20_us * scale for t in per_round], "device": str(dev)})
+                     "device": str(dev)})
     return pd.DataFrame(rows)
+
+
+def flat_cost_rounds(numels: Iterable[int], n_kernels: int, device="auto", rounds: int = 5,
+                     samples: int = 10) -> dict[int, list[float]]:
+    """The eager chain at each size of ``numels`` (the sweep's two smallest), one sample of
+    each in turn (A B A B ...), ``samples`` turns a round: per round, each size's fastest sample,
+    in us per kernel. Taking turns every sample puts a busy spell of the machine (another
+    process holding the core for a few ms) on both sizes, not on whichever ran then, and the
+    fastest sample of a round is the cost itself: a busy machine only ever adds time."""
+    from labkit.measure.rounds import interleaved
+
+    dev = select_device(device)
+    sizes = [int(n) for n in numels]
+    timed = interleaved({str(n): chain_runner("eager", n, n_kernels, dev) for n in sizes},
+                        rounds=rounds * samples, repeats=1, warmup=0, device=dev)
+    out = {}
+    for n in sizes:
+        each = [t.min_us / n_kernels for t in timed.timings[str(n)]]
+        out[n] = [min(each[r * samples:(r + 1) * samples]) for r in range(rounds)]
+    return out
 
 
 def speedup_table(df: pd.DataFrame, base: str = "eager", fast: str | None = None) -> pd.DataFrame:
@@ -172,23 +190,24 @@ def launch_bound(df: pd.DataFrame, base: str = "eager", fast: str = "graph") -> 
 
 # ----------------------------------------------------------------------- what the notebook claims
 def sweep_claims(df: pd.DataFrame, fast: str, *, expect_crossover: bool = True, recorded=None,
-                 within: float = 0.10) -> list:
+                 within: float = 0.10, flat: dict[int, list[float]] | None = None) -> list:
     """The sweep's three claims, computed from ``df`` (``recorded``: the recording they were
     checked against, where ``df`` came from one): tiny kernels cost a flat launch each, the fast
     mode removes most of it, and (``expect_crossover``: a graph over sizes up to tens of millions
     of elements) from some size on it stops mattering. A compiled CPU chain also fuses its adds,
-    so it keeps winning at every size: there the third claim is not made."""
+    so it keeps winning at every size: there the third claim is not made. ``flat``: the two
+    smallest sizes timed against each other (``flat_cost_rounds``); without it (a recording)
+    the flat cost is read from ``df``, one value per size."""
     # The 20th percentile of each size's samples: the cost itself, without what a busy machine
     # adds to some of them (a recording without percentiles uses its medians).
     column = "p20_us" if "p20_us" in df else "us_per_kernel"
     table = speedup_table(df.assign(us_per_kernel=df[column]), "eager", fast).sort_values("numel")
     tiny = table.iloc[:2]
     lo_us, hi_us = float(tiny.eager.min()), float(tiny.eager.max())
-    # Within one round the two sizes ran back to back, so their ratio is free of the drift
-    # between rounds; a recording that kept one value per size compares those.
-    eager_rows = df[df["mode"] == "eager"].sort_values("numel").iloc[:2]
-    if "round_p20_us" in df:
-        a, b = (list(v) for v in eager_rows.round_p20_us)
+    if flat is not None:
+        (n_a, a), (n_b, b) = sorted(flat.items())
+        lo_us, hi_us = min(min(a), min(b)), max(max(a), max(b))
+        tiny = pd.DataFrame({"numel": [n_a, n_b]})
         ratio = Spread.of([max(x, y) / min(x, y) for x, y in zip(a, b)])
     else:
         ratio = Spread.of([hi_us / lo_us])
@@ -199,8 +218,8 @@ def sweep_claims(df: pd.DataFrame, fast: str, *, expect_crossover: bool = True, 
         claim("Tiny eager kernels cost about the same whatever they compute{where}: "
               "{lo_us:.2f}-{hi_us:.2f} us per kernel at {a:,} and {b:,} elements "
               "(within {ratio:.2fx}{how}): a fixed cost per launch.",
-              ratio.below(1.6), where=where, how=", size against size in each round"
-              if ratio.rounds > 1 else "", lo_us=lo_us, hi_us=hi_us,
+              ratio.below(1.6), where=where,
+              how=", the two taking turns sample by sample" if ratio.rounds > 1 else "", lo_us=lo_us, hi_us=hi_us,
               a=int(tiny.numel.iloc[0]), b=int(tiny.numel.iloc[1]), ratio=ratio,
               recorded=recorded),
         claim("{fast} takes {fast_us:.2f} us per kernel at {n:,} elements against {eager_us:.2f} "
