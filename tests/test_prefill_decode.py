@@ -254,6 +254,18 @@ def two_runs(tiny_model):
                                 chunk_budget=16, arrive_after=3)
 
 
+def test_the_pair_in_rounds_keeps_every_rounds_figures_and_the_median_run(tiny_model):
+    on, off = cp.interference_pair(tiny_model, num_running=2, running_tokens=10, long_prompt=60,
+                                   chunk_budget=16, arrive_after=3, rounds=3)
+    for run in (on, off):
+        ttfts = run.per_round("long_ttft_ms")
+        assert len(ttfts) == 3 and run.long_ttft_ms == sorted(ttfts)[1], "the median round's run"
+    again = cp.Interference.from_dict(on.to_dict())
+    assert again.round_figures == on.round_figures
+    with pytest.raises(ValueError, match="rounds must be 1 or at least 3"):
+        cp.interference_pair(tiny_model, rounds=2)
+
+
 def test_the_pair_runs_chunked_then_whole_each_step_synchronised(two_runs):
     on, off = two_runs
     assert (on.chunked, on.budget) == (True, 16)

@@ -254,6 +254,26 @@ def test_where_the_arithmetic_sets_the_pace_chunking_keeps_the_long_prompts_ttft
         "a recorded GPU chunking cost is not 'the same work'")
 
 
+def test_over_rounds_the_ttft_claim_needs_every_round_within_the_factor(rec):
+    on, off = (cp.Interference.from_dict(d) for d in rec.data["engine"]["interference"])
+    ttft = off.long_ttft_ms
+
+    def rounds(run, ttfts):
+        return dataclasses.replace(run, round_figures=[
+            {**run.figures(), "long_ttft_ms": t} for t in ttfts])
+
+    base = rounds(off, [ttft, 2 * ttft, ttft])  # the machine slowed in round 2: both alike
+    steady = rounds(on, [1.1 * ttft, 2.2 * ttft, 1.05 * ttft])
+    assert held(pc.interference_claims(steady, base, host_bound=False))[1] is True
+    one_slow = rounds(on, [1.1 * ttft, 3.4 * ttft, 1.05 * ttft])  # 1.7x in round 2
+    assert held(pc.interference_claims(one_slow, base, host_bound=False))[1] is False
+    # the same two medians with no rounds would have passed: the ranges are what fail it
+    assert held(pc.interference_claims(dataclasses.replace(one_slow, round_figures=None,
+                                                           long_ttft_ms=1.1 * ttft),
+                                       dataclasses.replace(base, round_figures=None),
+                                       host_bound=False))[1] is True
+
+
 def test_the_recorded_steps_show_their_graph_batch_as_an_integer(rec):
     on = cp.Interference.from_dict(rec.data["engine"]["interference"][0])
     steps = cp.step_table(on)

@@ -40,18 +40,34 @@ class Interference:
     # launch-to-tokens span then covers its neighbour's launch too (a recording without the
     # flag ran the engine's CUDA default: async).
     async_scheduling: bool = True
+    # One entry per interleaved round (``interference_pair(rounds=...)``): that round's
+    # long_ttft_ms, worst_gap_ms and prefill_gap_ms; this run's gaps and steps are one of them.
+    # None: a single run (an older recording).
+    round_figures: list[dict] | None = None
 
     def to_dict(self) -> dict:
         """Plain JSON: missing values (an eager step's graph_batch) as None, not NaN."""
         return {"chunked": self.chunked, "budget": self.budget, "long_ttft_ms": self.long_ttft_ms,
                 "gaps": json_columns(self.gaps), "steps": json_columns(self.steps),
                 "triton_compiles": self.triton_compiles,
-                "async_scheduling": self.async_scheduling}
+                "async_scheduling": self.async_scheduling, "round_figures": self.round_figures}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Interference":
         return cls(d["chunked"], d["budget"], pd.DataFrame(d["gaps"]), pd.DataFrame(d["steps"]),
-                   d["long_ttft_ms"], d.get("triton_compiles"), d.get("async_scheduling", True))
+                   d["long_ttft_ms"], d.get("triton_compiles"), d.get("async_scheduling", True),
+                   d.get("round_figures"))
+
+    def per_round(self, name: str) -> list[float]:
+        """``name`` (long_ttft_ms, worst_gap_ms, prefill_gap_ms) in each round, in round order;
+        this run's own value when it ran once."""
+        if self.round_figures:
+            return [float(f[name]) for f in self.round_figures]
+        return [float(getattr(self, name))]
+
+    def figures(self) -> dict:
+        return {"long_ttft_ms": self.long_ttft_ms, "worst_gap_ms": self.worst_gap_ms,
+                "prefill_gap_ms": self.prefill_gap_ms}
 
     @property
     def step_ms(self) -> pd.Series:
@@ -119,11 +135,13 @@ def _scenario(llm: LLM, num_running: int, running_prompt_len: int, running_token
 
 def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int = 16,
                      running_tokens: int = 32, long_prompt_len: int = 512,
-                     arrive_after_steps: int = 4, seed: int = 0) -> Interference:
+                     arrive_after_steps: int = 4, seed: int = 0,
+                     rehearse: bool = True) -> Interference:
     """``num_running`` short requests start decoding; after ``arrive_after_steps`` steps a prompt
     of ``long_prompt_len`` tokens arrives; step until all finish. The same scenario runs once
     untimed first (other token ids), so the kernels of its step shapes are compiled before the
-    timed run; ``triton_compiles`` counts any that still happen inside it."""
+    timed run (``rehearse=False``: the engine has run this scenario already); ``triton_compiles``
+    counts any compiles that still happen inside the timed run."""
     if arrive_after_steps >= running_tokens - 2:
         raise ValueError(f"arrive_after_steps={arrive_after_steps} leaves the running requests "
                          f"(running_tokens={running_tokens}) no tokens to show the stall on; "
@@ -133,8 +151,9 @@ def interference_run(llm: LLM, *, num_running: int = 4, running_prompt_len: int 
     sched = llm.scheduler.config
     shape = (num_running, running_prompt_len, running_tokens, long_prompt_len,
              arrive_after_steps)
-    warm_up(llm)
-    _scenario(llm, *shape, seed=seed + 1000)  # the rehearsal
+    if rehearse:
+        warm_up(llm)
+        _scenario(llm, *shape, seed=seed + 1000)
     first_step = len(llm.step_history)
     with TritonCompiles() as compiles:
         outputs, t0, t_long, running, long_id = _scenario(llm, *shape, seed=seed)
@@ -218,21 +237,50 @@ def composition_figure(runs: Sequence[Interference], title: str) -> go.Figure:
 
 def interference_pair(model, *, num_running: int = 4, running_tokens: int = 32,
                       long_prompt: int = 512, chunk_budget: int = 64, arrive_after: int = 4,
-                      kv_cache_memory: int | None = None) -> list[Interference]:
+                      kv_cache_memory: int | None = None, rounds: int = 1, seed: int = 0,
+                      cudagraph_mode: str | None = None) -> list[Interference]:
     """``interference_run`` on two engines over ``model``: chunked prefill on with a budget of
     ``chunk_budget`` tokens, then off with a budget that holds the whole prompt beside the
     decodes. Both run without async scheduling, which would launch step N+1 before reading
-    step N's tokens: synchronised, each step is timed from its start to its tokens."""
-    runs = []
+    step N's tokens: synchronised, each step is timed from its start to its tokens.
+
+    With ``rounds`` > 1 both engines stay built and the scenario runs once per round on each,
+    the two in a shuffled order (``seed``), so a drift of the machine lands on both alike:
+    each returned run keeps every round's figures (``round_figures``), and its own gaps and
+    steps are those of the round with the median long-prompt TTFT. ``cudagraph_mode`` goes to
+    both engines."""
+    import random
+
+    if rounds != 1 and rounds < 3:
+        raise ValueError(f"rounds must be 1 or at least 3 (a range needs three), got {rounds}")
+    engines = []
     for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running)):
         gc.collect()  # free the previous engine (and its KV cache) before making the next
-        llm = LLM(model, enable_prefix_caching=False, enable_chunked_prefill=chunked,
-                  max_num_batched_tokens=budget, max_num_seqs=num_running + 1,
-                  kv_cache_memory=kv_cache_memory, async_scheduling=False)
-        runs.append(interference_run(llm, num_running=num_running,
-                                     running_tokens=running_tokens, long_prompt_len=long_prompt,
-                                     arrive_after_steps=arrive_after))
-        del llm
+        engines.append(LLM(model, enable_prefix_caching=False, enable_chunked_prefill=chunked,
+                           max_num_batched_tokens=budget, max_num_seqs=num_running + 1,
+                           kv_cache_memory=kv_cache_memory, async_scheduling=False,
+                           cudagraph_mode=cudagraph_mode))
+        if rounds == 1:  # one at a time: the second engine is built after the first is freed
+            engines[-1] = interference_run(engines[-1], num_running=num_running,
+                                           running_tokens=running_tokens,
+                                           long_prompt_len=long_prompt,
+                                           arrive_after_steps=arrive_after)
+    if rounds == 1:
+        return engines
+    rng, per = random.Random(seed), [[], []]
+    for r in range(rounds):
+        for i in rng.sample(range(2), 2):
+            per[i].append(interference_run(engines[i], num_running=num_running,
+                                           running_tokens=running_tokens,
+                                           long_prompt_len=long_prompt,
+                                           arrive_after_steps=arrive_after, rehearse=r == 0))
+    runs = []
+    for done in per:
+        by_ttft = sorted(done, key=lambda run: run.long_ttft_ms)
+        chosen = by_ttft[len(by_ttft) // 2]
+        chosen.round_figures = [run.figures() for run in done]
+        runs.append(chosen)
+    del engines
     return runs
 
 
@@ -254,7 +302,8 @@ def record_engine(model, *, latency_batches: Sequence[int] = (1, 4, 16, 64),
     del llm
     runs = interference_pair(model, num_running=num_running, running_tokens=running_tokens,
                              long_prompt=long_prompt, chunk_budget=chunk_budget,
-                             arrive_after=arrive_after, kv_cache_memory=kv_cache_memory)
+                             arrive_after=arrive_after, kv_cache_memory=kv_cache_memory,
+                             rounds=rounds)
     return {"by_batch": by_batch.to_dict(orient="list"),
             "by_prompt": by_prompt.to_dict(orient="list"),
             "interference": [r.to_dict() for r in runs]}

@@ -14,15 +14,15 @@ from itertools import pairwise
 
 import pandas as pd
 
+# part 4 (chunked prefill) lives in chunked_claims.py; the notebook reads it from here
+from labkit.lessons.prefill_vs_decode.chunked_claims import (  # noqa: F401
+    SAME_WORK,
+    chunk_host_claim,
+    interference_claims,
+)
+from labkit.lessons.prefill_vs_decode.where import on as _on
 from labkit.measure.rounds import Spread
 from labkit.teaching import claim
-
-
-def _on(recorded, device: str | None = None) -> str:
-    """' on NVIDIA H200' for a recording, ' on <device>' for a live run."""
-    if recorded is not None:
-        return f" on {recorded.fingerprint['gpu']} (recorded)"
-    return f" on {device}" if device else ""
 
 
 def _range(row, col: str) -> tuple[float, float]:
@@ -306,79 +306,6 @@ def latency_claims(by_batch: pd.DataFrame, by_prompt: pd.DataFrame, *,
             where=where, n=int(p1.batch), lens=", ".join(str(x) for x in p.prompt_len),
             steps=", ".join(str(s) for s in steps), recorded=recorded))
     return made
-
-
-# ----------------------------------------------------------------------- part 4: chunked prefill
-def interference_claims(on, off, *, device: str | None = None, recorded=None,
-                        host_bound: bool | None = None) -> list:
-    """``on``/``off``: the two ``Interference`` runs. The whole prompt in one step stalls the
-    running requests longer than the chunked steps' median gap (the ratio says by how much:
-    little where the chunks are host-bound), chunking costs the long prompt TTFT, and the mixed
-    steps outlast the decode-only ones. ``host_bound``: whether the runs' steps are host-bound
-    (a GPU's; by default, where they come from a GPU recording)."""
-    where = _on(recorded, device)
-    if host_bound is None:
-        host_bound = recorded is not None
-    mixed, dec = on.step_ms[on.mixed], on.step_ms[on.decode_only]
-    timing = "synchronised" if not on.async_scheduling else \
-        "the interval between token reads (async scheduling)"
-    return [
-        claim("Without chunking the running requests' worst gap between tokens is {w:.1f} ms"
-              "{where}, {x:.1f}x the median gap while the prompt is chunked ({c:.1f} ms): one "
-              "step holds all {n:,} prompt tokens and everyone waits for it, longer than for a "
-              "chunked step.",
-              bool(off.worst_gap_ms > on.prefill_gap_ms), w=off.worst_gap_ms, where=where,
-              x=off.worst_gap_ms / on.prefill_gap_ms, c=on.prefill_gap_ms,
-              n=int(off.steps.num_prefill_tokens.max()), recorded=recorded),
-        _long_ttft_claim(on, off, where, host_bound=host_bound, recorded=recorded),
-        claim("Chunking spread the prompt over {n} mixed steps{where} of {m:.1f} ms median "
-              "({mlo:.1f}-{mhi:.1f}), against {d:.1f} ms for a decode-only step (step times "
-              "{timing}).", bool(len(mixed) >= 2 and mixed.median() > dec.median()),
-              n=int(on.mixed.sum()), where=where, m=float(mixed.median()),
-              mlo=float(mixed.min()), mhi=float(mixed.max()), d=float(dec.median()),
-              timing=timing, recorded=recorded)]
-
-
-def chunk_host_claim(on, gpu_prefill: tuple[str, float], *, device: str | None = None,
-                     recorded=None):
-    """``on``: the chunked ``Interference`` run; ``gpu_prefill``: a replayed prefill's name and
-    GPU ms, at least the chunk's tokens (``bounds.replayed_prefill``: an upper bound on a
-    chunk's GPU time). Every mixed step takes longer than it: the rest of the step is the
-    host's."""
-    name, gpu_ms = gpu_prefill
-    mixed = on.step_ms[on.mixed]
-    return claim(
-        "A mixed step of at most {budget} tokens takes {m:.1f} ms{where} ({mlo:.1f}-{mhi:.1f} "
-        "over the {n} steps), {x:.2f}x the GPU time of a replayed {name} ({g:.2f} ms), a "
-        "prefill of at least as many tokens: every mixed step outlasts the GPU work it "
-        "holds, so at least {host:.0%} of it is the host issuing the eager ops, a cost a "
-        "smaller chunk does not shrink.",
-        bool(len(mixed) > 0 and mixed.min() > gpu_ms), budget=on.budget,
-        m=float(mixed.median()), mlo=float(mixed.min()), mhi=float(mixed.max()),
-        n=int(on.mixed.sum()), where=_on(recorded, device), x=float(mixed.median() / gpu_ms),
-        name=name, g=gpu_ms, host=float(1 - gpu_ms / mixed.min()) if len(mixed) else 0.0,
-        recorded=recorded)
-
-
-SAME_WORK = 1.5  # chunked/whole TTFT within this factor: the same work, split or not
-
-
-def _long_ttft_claim(on, off, where: str, *, host_bound: bool, recorded=None):
-    """Where the chunks are host-bound (a GPU), each one pays a step's fixed host cost, so
-    chunking makes the long prompt wait longer; where the arithmetic dominates (a CPU), the
-    prompt's work is the same split or not, and so is its TTFT, within ``SAME_WORK``."""
-    x = on.long_ttft_ms / off.long_ttft_ms
-    if host_bound:
-        return claim("Chunked, the long prompt's own TTFT is {a:.1f} ms against {b:.1f} ms in "
-                     "one step{where}: {x:.1f}x, the price of sharing its steps with the "
-                     "decodes, each chunk paying a host-bound step.", bool(x > 1),
-                     a=on.long_ttft_ms, b=off.long_ttft_ms, where=where, x=x,
-                     recorded=recorded)
-    return claim("Chunked, the long prompt's own TTFT is {a:.1f} ms against {b:.1f} ms in one "
-                 "step{where} ({x:.2f}x): where the arithmetic, not the host, sets a step's "
-                 "time, splitting the prompt does not add work, and its TTFT stays within "
-                 "{same}x.", bool(1 / SAME_WORK < x < SAME_WORK), a=on.long_ttft_ms,
-                 b=off.long_ttft_ms, where=where, x=x, same=SAME_WORK, recorded=recorded)
 
 
 def missing(data: dict, fields: Sequence[str]) -> list[str]:
