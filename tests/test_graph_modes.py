@@ -1,0 +1,68 @@
+"""Notebook 08's cudagraph_mode rows: every mode x async scheduling, one engine per row, shuffled
+rounds; a mode the device cannot run says why; the claims fail on the tables that contradict
+them."""
+import pandas as pd
+import pytest
+
+from labkit.engine import ModelConfig, random_model
+from labkit.engine.runner import CUDAGRAPH_MODES
+from labkit.lessons.putting_it_together import graph_modes as gm
+from labkit.lessons.putting_it_together.workload import Workload
+
+
+@pytest.fixture(scope="module")
+def modes():
+    model = random_model(ModelConfig.tiny(), seed=0, device="cpu")
+    return gm.run_modes(model, Workload(4, (8, 40), (3, 6), seed=1), rounds=3,
+                        max_num_batched_tokens=16, cudagraph_capture_sizes=(1, 2, 4, 8, 16))
+
+
+def test_every_mode_has_a_row_with_and_without_async_scheduling(modes):
+    t = modes.table
+    assert sorted(zip(t.cudagraph_mode, t.async_scheduling)) == sorted(
+        (m, a) for m in CUDAGRAPH_MODES for a in (False, True))
+    ran = t[t.status == "ran"]
+    assert set(ran.cudagraph_mode) == {"none", "piecewise"}, "on CPU: eager and the stand-in"
+    refused = t[t.status != "ran"]
+    assert refused.reason.str.contains("needs a CUDA device").all()
+    assert len(modes.rounds) == 3 * len(ran), "one run per row per round"
+
+
+def test_the_rows_say_how_their_steps_ran(modes):
+    eager, pw = modes.row("none", False), modes.row("piecewise", False)
+    assert eager.eager_steps == eager.steps and eager.piecewise_steps == 0
+    assert pw.piecewise_steps == pw.steps and pw.mixed_steps > 0
+    assert pw.mixed_replayed == pw.mixed_steps and eager.mixed_replayed == 0
+    assert pw.padded_tokens > 0 and eager.padded_tokens == 0
+    assert modes.row("piecewise", True).graphs == pw.graphs > 0
+
+
+def test_the_claims_hold_here_and_fail_on_contradicting_tables(modes, fresh_claims):
+    assert all(c.held for c in gm.mode_claims(modes))
+    wrong = gm.ModeExperiment(modes.table.assign(same_tokens=[False] + [True] * 7),
+                              modes.rounds, modes.device)
+    assert not gm.mode_claims(wrong)[0].held, "a mode whose tokens differ"
+    t = modes.table.copy()
+    t.loc[(t.cudagraph_mode == "piecewise") & ~t.async_scheduling, "mixed_replayed"] = 0
+    assert not gm.mode_claims(gm.ModeExperiment(t, modes.rounds, modes.device))[1].held
+
+
+def test_on_a_gpu_the_mixed_step_claim_compares_round_by_round(modes, fresh_claims):
+    rounds = modes.rounds.copy()
+    slow = rounds.cudagraph_mode.eq("piecewise") & ~rounds.async_scheduling
+    fast = rounds.cudagraph_mode.eq("none") & ~rounds.async_scheduling
+    rounds.loc[fast, "mixed_step_ms"] = [10.0, 10.0, 10.0]
+    rounds.loc[slow, "mixed_step_ms"] = [4.0, 4.0, 4.0]
+    gpu = gm.ModeExperiment(modes.table, rounds, "cuda:0")
+    assert gm.mode_claims(gpu)[-1].held and "2.50x" in gm.mode_claims(gpu)[-1].text
+    rounds.loc[slow, "mixed_step_ms"] = [4.0, 11.0, 4.0]  # one round where it lost
+    assert not gm.mode_claims(gm.ModeExperiment(modes.table, rounds, "cuda:0"))[-1].held
+
+
+def test_where_the_forward_is_cut():
+    model = random_model(ModelConfig.tiny(), seed=0, device="cpu")
+    table = gm.pieces_table(model)
+    assert len(table) == model.config.num_hidden_layers + 1
+    assert table.iloc[0, 1].startswith("embed") and table.iloc[-1, 1].endswith("final norm")
+    assert isinstance(gm.compact(gm.ModeExperiment(pd.DataFrame(columns=gm.COLUMNS),
+                                                   pd.DataFrame(), "cpu")), pd.DataFrame)
