@@ -47,3 +47,25 @@ def chromium():
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         yield browser
         browser.close()
+
+
+NOTEBOOK_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "test-results", "notebooks")
+_executed: dict = {}
+
+
+@pytest.fixture(scope="session")
+def executed_notebook():
+    """``executed_notebook(path)``: the notebook run once per session by papermill on CPU with
+    QUICK sizes (as CI does), its copy in test-results/notebooks/. The notebook test checks the
+    run; the browser test opens the same executed copy, so no notebook runs twice."""
+    from pathlib import Path
+
+    from labkit.tools.run_notebooks import execute
+
+    def run(path):
+        if path not in _executed:
+            _executed[path] = execute(path, Path(NOTEBOOK_RESULTS), {"DEVICE": "auto",
+                                                                     "QUICK": True})
+        return _executed[path]
+    return run

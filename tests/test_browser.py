@@ -1,18 +1,22 @@
-"""The lab as a learner sees it: JupyterLab in a real (headless) Chromium runs every notebook.
+"""The lab as a learner sees it: each notebook, as papermill executed it, open in JupyterLab in a
+real (headless) Chromium, its widgets live.
 
-For each notebook (a copy with QUICK=True injected as papermill would), the test opens it in
-JupyterLab, runs all cells, and checks in the page: no cell raised, the last (asserting) cell
-ran, every plotly figure drew an SVG, no widget shows an error view, no stderr box shows, no
-number prints as ``150.000000`` or ``np.float64(...)`` and no table cell is cut with "...". A
-screenshot of each goes to test-results/browser/. Uses the shared `chromium` fixture (tests/conftest.py).
+Each notebook is executed once a session (``executed_notebook`` in conftest.py: papermill, CPU,
+QUICK sizes, the run the notebook test checks). The browser opens that executed copy, so every
+saved output is drawn by JupyterLab's own renderers, and re-runs in a live kernel the cells up to
+the last one that shows a widget the learner moves (an ``interact`` or a hand-built box): those
+need a kernel behind them, the later outputs do not. The page is then checked: no live cell
+raised, every code cell ran, every plotly figure drew an SVG, no widget shows an error view, no
+stderr box shows, no number prints as ``150.000000`` or ``np.float64(...)``, no table cell is cut
+with "..."; every moving widget redraws its output when moved and every hint accordion opens. A
+screenshot of each goes to test-results/browser/. Uses the shared `chromium` fixture
+(tests/conftest.py).
 """
 import json
+import shutil
 from pathlib import Path
 
-import nbformat
 import pytest
-from papermill.iorw import load_notebook_node
-from papermill.parameterize import parameterize_notebook
 
 from labkit.tools import lab_server
 from labkit.tools.run_notebooks import lab_metadata, notebooks
@@ -21,15 +25,21 @@ SHOTS = Path(__file__).resolve().parent.parent / "test-results" / "browser"
 NOTEBOOKS = notebooks()
 pytestmark = pytest.mark.browser
 
-RUN_ALL = """async () => {
+RUN_LIVE = """async ({name, last}) => {
   const app = window.jupyterapp;
   const panel = app.shell.currentWidget;
   await panel.context.ready;
   await panel.sessionContext.ready;
-  if (panel.context.path !== NAME) throw new Error('wrong notebook in focus: ' + panel.context.path);
-  await app.commands.execute('notebook:run-all-cells');
-  const cells = panel.content.widgets.filter(c => c.model.type === 'code');
-  return cells.map(c => ({
+  if (panel.context.path !== name) throw new Error('wrong notebook in focus: ' + panel.context.path);
+  const notebook = panel.content;
+  const code = notebook.widgets.filter(c => c.model.type === 'code');
+  if (last >= 0) {
+    notebook.activeCellIndex = notebook.widgets.indexOf(code[last]);
+    await app.commands.execute('notebook:run-all-above');
+    await app.commands.execute('notebook:run-cell');
+  }
+  return code.map((c, i) => ({
+    live: i <= last,
     count: c.model.executionCount,
     errors: c.model.outputs.toJSON().filter(o => o.output_type === 'error')
                                .map(o => o.ename + ': ' + o.evalue),
@@ -52,28 +62,45 @@ PAGE_CHECKS = r"""() => ({
            .map(c => c.textContent.trim()).filter(t => t.length > 3 && /(\.\.\.|…)$/.test(t)),
 })"""
 
+MOVING = ("VBoxModel", "HBoxModel", "BoxModel")  # an interact, or a box of controls and an Output
+
+
+def last_moving_widget_cell(nb: dict) -> int:
+    """Index (among code cells) of the last cell whose output is a box of controls the learner
+    moves, by the widget state papermill saved; -1 when there is none."""
+    state = nb.get("metadata", {}).get("widgets", {}).get(
+        "application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    last = -1
+    for i, cell in enumerate(code):
+        for out in cell.get("outputs", []):
+            view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
+            if view and state.get(view["model_id"], {}).get("model_name") in MOVING:
+                last = i
+    return last
+
 
 @pytest.fixture(scope="module")
-def quick_copies(tmp_path_factory):
-    """Each notebook with the QUICK parameters injected, as papermill injects them."""
-    out = tmp_path_factory.mktemp("browser-notebooks")
-    for path in NOTEBOOKS:
-        nb = load_notebook_node(str(path))  # adds the metadata papermill expects
-        nb = parameterize_notebook(nb, {"DEVICE": "auto", "QUICK": True})
-        nbformat.write(nb, out / path.name)
-    return out
+def lab_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("browser-notebooks")
 
 
 @pytest.fixture(scope="module")
-def browser_page(quick_copies, chromium):
-    with lab_server.running_lab(quick_copies, expose_app=True, windowed=False) as lab:
+def browser_page(lab_dir, chromium):
+    with lab_server.running_lab(lab_dir, expose_app=True, windowed=False) as lab:
         page = chromium.new_page(viewport={"width": 1280, "height": 1600})
         yield lab, page
         page.close()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_in_jupyterlab_and_every_output_renders(browser_page, path):
+def test_notebook_renders_in_jupyterlab_and_its_widgets_work(browser_page, lab_dir, path,
+                                                              executed_notebook):
+    run = executed_notebook(path)
+    assert run.status == "ok", f"{path.name} failed under papermill:\n{run.error[-2000:]}"
+    executed = json.loads(Path(run.output).read_text())
+    shutil.copy(run.output, lab_dir / path.name)
+    last = last_moving_widget_cell(executed)
     lab, page = browser_page
     page.goto(lab.url(f"lab/tree/{path.name}?reset"))  # reset: no tabs restored from before
     page.wait_for_function(
@@ -81,8 +108,8 @@ def test_notebook_runs_in_jupyterlab_and_every_output_renders(browser_page, path
         " return w && w.context && w.context.path === name && w.content; }",
         arg=path.name, timeout=60_000)
     page.set_default_timeout(300_000)
-    cells = page.evaluate(RUN_ALL.replace("NAME", json.dumps(path.name)))
-    errors = [e for c in cells for e in c["errors"]]
+    cells = page.evaluate(RUN_LIVE, {"name": path.name, "last": last})
+    errors = [e for c in cells if c["live"] for e in c["errors"]]
     assert not errors, f"{path.name} raised in the browser: {errors}"
     assert cells and all(c["count"] for c in cells), \
         f"{path.name}: cells {[i for i, c in enumerate(cells) if not c['count']]} never ran"
@@ -102,6 +129,18 @@ def test_notebook_runs_in_jupyterlab_and_every_output_renders(browser_page, path
     dead = move_every_widget(page)
     assert not dead, f"{path.name}: widgets whose output never changed when moved: {dead}"
     page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+
+
+def test_the_last_moving_widget_is_found_by_its_saved_state():
+    view = "application/vnd.jupyter.widget-view+json"
+    nb = {"metadata": {"widgets": {"application/vnd.jupyter.widget-state+json": {"state": {
+              "a": {"model_name": "VBoxModel"}, "h": {"model_name": "AccordionModel"}}}}},
+          "cells": [{"cell_type": "code", "outputs": []},
+                    {"cell_type": "markdown", "source": "text"},
+                    {"cell_type": "code", "outputs": [{"data": {view: {"model_id": "a"}}}]},
+                    {"cell_type": "code", "outputs": [{"data": {view: {"model_id": "h"}}}]}]}
+    assert last_moving_widget_cell(nb) == 1, "the interact's cell; the accordion needs no kernel"
+    assert last_moving_widget_cell({"cells": [{"cell_type": "code", "outputs": []}]}) == -1
 
 
 def test_the_screen_checks_see_stderr_float_counts_and_cut_cells(chromium):

@@ -1,15 +1,14 @@
 """Every notebook runs headless through papermill on CPU with QUICK sizes, as CI does.
 
-Executed copies go to test-results/notebooks/ (CI can keep the folder).
+Executed copies go to test-results/notebooks/ (CI can keep the folder); each notebook runs once a
+session (``executed_notebook`` in conftest.py), shared with the browser test.
 """
 import json
-from pathlib import Path
 
 import pytest
 
 from labkit.tools.run_notebooks import execute, notebooks
 
-OUT = Path(__file__).resolve().parent.parent / "test-results" / "notebooks"
 MAX_EXECUTED_BYTES = 2_000_000
 NOTEBOOKS = notebooks()
 
@@ -20,8 +19,8 @@ def test_the_sequence_starts_with_the_tour_and_launch_overhead():
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_shows_what_it_promises(path):
-    run = execute(path, OUT, {"DEVICE": "auto", "QUICK": True})
+def test_notebook_runs_and_shows_what_it_promises(path, executed_notebook):
+    run = executed_notebook(path)
     assert run.status == "ok", f"{path.name} failed; executed copy in {run.output}\n{run.error}"
     assert run.figures >= run.expected_figures, (
         f"{path.name} drew {run.figures} plotly figures, its metadata promises "
