@@ -74,6 +74,9 @@ class LLM:
     Graphs (``labkit.engine.runner`` explains the four modes; None: "full_decode_only" on CUDA,
     "none" elsewhere); ``enforce_eager=True`` is "none". ``cudagraph_capture_sizes``: the token
     counts piecewise graphs are captured for (default ``default_token_buckets``).
+    ``decode_context_buckets``: key full decode graphs by (batch, context bucket) too, so each
+    plans attention's KV splits for its context instead of ``max_model_len`` (default: one
+    key per batch bucket).
     ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
     ``fused_ops`` runs each layer's small ops as three fused Triton kernels (default: on with
     CUDA Graphs, i.e. CUDA and not ``enforce_eager``): replayed, a step is GPU time and the
@@ -94,7 +97,8 @@ class LLM:
                  device: str | torch.device = "auto", dtype: torch.dtype | None = None,
                  seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None,
                  fused_ops: bool | None = None, cudagraph_mode: str | None = None,
-                 cudagraph_capture_sizes: Sequence[int] | None = None):
+                 cudagraph_capture_sizes: Sequence[int] | None = None,
+                 decode_context_buckets: Sequence[int] | None = None):
         # The engine's own arguments first, by the names given here: a bad one must not surface
         # later as a derived quantity (num_blocks) the caller never passed.
         check_positive_int("max_num_seqs", max_num_seqs, hint="running requests at once")
@@ -136,7 +140,9 @@ class LLM:
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             backend=backend, fused_ops=fused_ops, cudagraph_mode=mode,
             token_buckets=None if cudagraph_capture_sizes is None else tuple(
-                cudagraph_capture_sizes), max_num_batched_tokens=max_num_batched_tokens)
+                cudagraph_capture_sizes), max_num_batched_tokens=max_num_batched_tokens,
+            decode_context_buckets=None if decode_context_buckets is None else tuple(
+                decode_context_buckets))
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
         self.async_scheduling = (self.device.type == "cuda" if async_scheduling is None

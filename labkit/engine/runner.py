@@ -47,6 +47,7 @@ from labkit.engine.request import ScheduledStep
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
 from labkit.engine.pieces import PiecewiseForward
 from labkit.graphs import DEFAULT_BUCKETS, GraphPool
+from labkit.graphs.buckets import check_buckets
 from labkit.graphs.emulated_cuda import cuda_for
 from labkit.graphs.piecewise import PiecewiseGraphs, default_token_buckets
 from labkit.kvcache import BlockManager, KVCacheShape, PagedKVCache, tokens_that_fit
@@ -144,7 +145,8 @@ class ModelRunner:
                  backend: str = "auto", enforce_eager: bool = False,
                  decode_buckets: tuple[int, ...] | None = None, fused_ops: bool | None = None,
                  cudagraph_mode: str | None = None, token_buckets: tuple[int, ...] | None = None,
-                 max_num_batched_tokens: int = 2048):
+                 max_num_batched_tokens: int = 2048,
+                 decode_context_buckets: tuple[int, ...] | None = None):
         c = model.config
         self.model = model
         # The layer ops of every step and of every captured graph; None: the model's own choice.
@@ -180,6 +182,14 @@ class ModelRunner:
         # cu_seqlens_q of a decode batch is 0, 1, ..., B: one constant, sliced per bucket.
         self._cu_arange = torch.arange(max(buckets[-1], max_num_seqs) + 1, dtype=torch.int32,
                                        device=self.device)
+        # Decode graphs keyed by context too: each key's attention plans its KV splits for its
+        # context bucket (max_model_len is always the last, so every decode has a key).
+        self.decode_context_buckets: tuple[int, ...] | None = None
+        if decode_context_buckets is not None:
+            given = check_buckets("decode_context_buckets", decode_context_buckets,
+                                  "context lengths in tokens")
+            self.decode_context_buckets = tuple(sorted(
+                {b for b in given if b < self.max_model_len} | {self.max_model_len}))
         if self.use_graphs:
             self.decode_buckets = buckets
             self._capture_decode_graphs()
@@ -308,11 +318,13 @@ class ModelRunner:
         if not step.rows:
             vocab = self.model.config.vocab_size
             return StepOutput(torch.empty(0, vocab, device=self.device), None)
-        graph_batch = None
-        if self.graphs is not None and step.is_decode_only:
-            key = self.graphs.key_for(len(step.rows))
-            graph_batch = key[0] if key is not None else None
         md = build_step_metadata(step, bm)
+        graph_batch, context = None, None
+        if self.graphs is not None and step.is_decode_only:
+            if self.decode_context_buckets is not None:
+                context = md.max_seqlen_k
+            key = self.graphs.key_for(len(step.rows), context)
+            graph_batch = key[0] if key is not None else None
         dev = self.to_device(md, prev_tokens)
         tokens = md.num_tokens
         if graph_batch is None and self.piecewise is not None and \
@@ -329,7 +341,8 @@ class ModelRunner:
             tables = F.pad(dev.block_tables,
                            (0, self.max_blocks_per_seq - dev.block_tables.shape[1]))
             # Every decode row samples, so the graph's logits are already in row order.
-            logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)))
+            logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)),
+                                 context=context)
             return StepOutput(logits, graph_batch)
         hidden = self.model.hidden_states(dev.input_ids, dev.positions,
                                           self._attention(dev, md.max_seqlen_q),
@@ -337,13 +350,18 @@ class ModelRunner:
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs
-    def decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+    def decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
+                       context_bucket: int | None = None):
         """One decode token per row: [B] x 3, [B, max_blocks], [B] -> logits [B, vocab].
 
         What each graph captures (once per bucket): nothing here may read a value back to the
-        host, and rows of PAD (-1) are computed but write no slot and are dropped.
+        host, and rows of PAD (-1) are computed but write no slot and are dropped. With a
+        ``context_bucket`` (tokens) attention sees only the table's first blocks that hold it,
+        so the kernel plans its KV splits for that context, not for ``max_model_len``.
         """
         batch = input_ids.shape[0]
+        if context_bucket is not None:
+            block_tables = block_tables[:, :math.ceil(context_bucket / self.block_size)]
         md = DeviceMetadata(input_ids.clamp(min=0), positions.clamp(min=0), slot_mapping,
                             self._cu_arange[:batch + 1], seq_lens.clamp(min=0), block_tables,
                             self._cu_arange[:batch])
@@ -368,11 +386,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
-        self.graphs = GraphPool(self.decode_forward, self.decode_buckets, pad_value=PAD)
+        self.graphs = GraphPool(self.decode_forward, self.decode_buckets, pad_value=PAD,
+                                context_buckets=self.decode_context_buckets)
         row = torch.full((1,), PAD, dtype=torch.int32, device=self.device)
         table = torch.full((1, self.max_blocks_per_seq), PAD, dtype=torch.int32,
                            device=self.device)
         # All-padding example rows: warm-up and capture write no slot of the cache.
         self.graphs.capture(row, row.clone(), row.clone(), table, row.clone())
-        log.info(f"captured {len(self.decode_buckets)} decode graphs (batch buckets "
-                 f"{list(self.decode_buckets)}) in {self.graphs.stats.capture_ms:.0f} ms")
+        log.info(f"captured {len(self.graphs.keys())} decode graphs (batch buckets "
+                 f"{list(self.decode_buckets)}, context buckets "
+                 f"{self.decode_context_buckets or 'none'}) in "
+                 f"{self.graphs.stats.capture_ms:.0f} ms")
