@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from labkit.tools import lab_server
-from labkit.tools.run_notebooks import lab_metadata, notebooks
+from labkit.tools.run_notebooks import notebooks
 
 SHOTS = Path(__file__).resolve().parent.parent / "test-results" / "browser"
 NOTEBOOKS = notebooks()
@@ -115,7 +115,7 @@ def test_notebook_renders_in_jupyterlab_and_its_widgets_work(browser_page, lab_d
         f"{path.name}: cells {[i for i, c in enumerate(cells) if not c['count']]} never ran"
     page.wait_for_timeout(1500)  # let plotly finish drawing after the last output arrives
     seen = page.evaluate(PAGE_CHECKS)
-    expected = lab_metadata(json.loads(path.read_text())).get("expected_figures", 0)
+    expected = run.expected_figures
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.evaluate("() => document.querySelector('.js-plotly-plot')?.scrollIntoView()")
     page.screenshot(path=str(SHOTS / f"{path.stem}.png"))

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from labkit.graphs.buckets import bucket_for, check_buckets, check_size
-from labkit.graphs.pool import capture_graph
+from labkit.graphs.pool import capture_graph, segment_bytes
 
 LARGEST_CAPTURE = 512  # vLLM's default largest capture size: larger steps are compute-bound
 
@@ -107,11 +107,7 @@ class PiecewiseGraphs:
         return self.cuda is torch.cuda
 
     def _pool_bytes(self) -> int:
-        if not self.on_gpu or self._mempool is None:
-            return 0
-        pool_id = tuple(self._mempool)
-        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-                   if tuple(seg.get("segment_pool_id", ())) == pool_id)
+        return segment_bytes(self._mempool) if self.on_gpu else 0
 
     def capture(self) -> PiecewiseStats:
         """Every bucket, largest first, into one memory pool: the pieces run one after another,

@@ -72,6 +72,16 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
+def segment_bytes(mempool) -> int:
+    """Bytes of device memory in the segments of the graph memory pool ``mempool`` (a
+    ``graph_pool_handle()``; None: none)."""
+    if mempool is None:
+        return 0
+    pool_id = tuple(mempool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == pool_id)
+
+
 def capture_graph(fn: Callable, warmup: int = 2, pool=None, side=None, cuda=None):
     """Warm ``fn()`` up on a side stream, then capture it: returns (graph, fn's outputs).
 
@@ -177,11 +187,7 @@ class GraphPool:
 
     def pool_bytes(self) -> int:
         """Bytes of device memory held by this pool's graphs (segments of its private pool)."""
-        if self._mempool is None:
-            return 0
-        pool_id = tuple(self._mempool)
-        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-                   if tuple(seg.get("segment_pool_id", ())) == pool_id)
+        return segment_bytes(self._mempool)
 
     def _capture_one(self, key: tuple) -> None:
         batch, ctx = key[0], (key[1] if len(key) > 1 else None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -249,31 +250,26 @@ def interference_pair(model, *, num_running: int = 4, running_tokens: int = 32,
     each returned run keeps every round's figures (``round_figures``), and its own gaps and
     steps are those of the round with the median long-prompt TTFT. ``cudagraph_mode`` goes to
     both engines."""
-    import random
-
     if rounds != 1 and rounds < 3:
         raise ValueError(f"rounds must be 1 or at least 3 (a range needs three), got {rounds}")
-    engines = []
-    for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running)):
+    shape = dict(num_running=num_running, running_tokens=running_tokens,
+                 long_prompt_len=long_prompt, arrive_after_steps=arrive_after)
+
+    def engine(chunked: bool, budget: int) -> LLM:
         gc.collect()  # free the previous engine (and its KV cache) before making the next
-        engines.append(LLM(model, enable_prefix_caching=False, enable_chunked_prefill=chunked,
-                           max_num_batched_tokens=budget, max_num_seqs=num_running + 1,
-                           kv_cache_memory=kv_cache_memory, async_scheduling=False,
-                           cudagraph_mode=cudagraph_mode))
-        if rounds == 1:  # one at a time: the second engine is built after the first is freed
-            engines[-1] = interference_run(engines[-1], num_running=num_running,
-                                           running_tokens=running_tokens,
-                                           long_prompt_len=long_prompt,
-                                           arrive_after_steps=arrive_after)
-    if rounds == 1:
-        return engines
+        return LLM(model, enable_prefix_caching=False, enable_chunked_prefill=chunked,
+                   max_num_batched_tokens=budget, max_num_seqs=num_running + 1,
+                   kv_cache_memory=kv_cache_memory, async_scheduling=False,
+                   cudagraph_mode=cudagraph_mode)
+
+    configs = ((True, chunk_budget), (False, long_prompt + num_running))
+    if rounds == 1:  # one engine at a time: the second is built after the first is freed
+        return [interference_run(engine(*c), **shape) for c in configs]
+    engines = [engine(*c) for c in configs]
     rng, per = random.Random(seed), [[], []]
     for r in range(rounds):
         for i in rng.sample(range(2), 2):
-            per[i].append(interference_run(engines[i], num_running=num_running,
-                                           running_tokens=running_tokens,
-                                           long_prompt_len=long_prompt,
-                                           arrive_after_steps=arrive_after, rehearse=r == 0))
+            per[i].append(interference_run(engines[i], **shape, rehearse=r == 0))
     runs = []
     for done in per:
         by_ttft = sorted(done, key=lambda run: run.long_ttft_ms)
