@@ -271,14 +271,20 @@ def timeline_claims(eager: dict, fast: dict, fast_mode: str, n_kernels: int, *,
 
 def per_kernel_rounds(chains: dict[str, tuple[str, int]], numel: int, device, rounds: int = 3,
                       repeats: int = 15) -> dict:
-    """Each chain ``name: (mode, n_kernels)`` of ``numel``-element ops timed in interleaved
-    rounds: ``{name}_us``, microseconds per kernel, one value per round."""
+    """Each chain ``name: (mode, n_kernels)`` of ``numel``-element ops, the chains taking turns
+    one sample each, ``repeats`` turns a round: ``{name}_us``, each round's fastest sample in
+    microseconds per kernel. Taking turns every sample puts a busy spell of the machine on every
+    chain alike, and a busy machine only ever adds time, so the fastest is the cost itself."""
     from labkit.measure.rounds import interleaved
 
     dev = select_device(device)
-    r = interleaved({k: chain_runner(mode, numel, n, dev) for k, (mode, n) in chains.items()},
-                    rounds=rounds, repeats=repeats, device=dev)
-    return {f"{k}_us": [v / n for v in r.us(k).values] for k, (_, n) in chains.items()}
+    timed = interleaved({k: chain_runner(mode, numel, n, dev) for k, (mode, n) in chains.items()},
+                        rounds=rounds * repeats, repeats=1, warmup=0, device=dev)
+    out = {}
+    for k, (_, n) in chains.items():
+        each = [t.min_us / n for t in timed.timings[k]]
+        out[f"{k}_us"] = [min(each[r * repeats:(r + 1) * repeats]) for r in range(rounds)]
+    return out
 
 
 def chain_rounds(numel: int, n_kernels: int, factor: int, device, rounds: int = 3,
