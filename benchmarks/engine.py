@@ -9,7 +9,9 @@ ignored, so every request produces exactly its output length. Sections, each run
 another failed:
 
 1. ``labkit``: ``LLM.generate`` over all requests at once, the engine's defaults (CUDA Graphs
-   on, each layer's small ops as three fused kernels)
+   on in the default ``cudagraph_mode``, each layer's small ops as three fused kernels);
+   ``labkit_full_decode_only``: full graphs for uniform decode steps only, every other step
+   eager (mode_gain = labkit / this)
 2. ``labkit_unfused``: the same with ``fused_ops=False`` (fused_gain = labkit / this);
    ``labkit_eager``: ``enforce_eager=True``, unfused (graphs_gain = labkit_unfused / this)
 3. ``prefix_cached`` / ``prefix_uncached``: every prompt behind one shared 1,024-token system
@@ -45,6 +47,7 @@ import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit import check_positive_int
 from labkit.device import describe, fingerprint, free_memory, synchronize
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
+from labkit.engine.runner import resolve_cudagraph_mode
 from labkit.lessons.putting_it_together.transformers_peer import (
     TransformersPeer,
     summary,
@@ -53,8 +56,8 @@ from labkit.measure.bench import TritonCompiles
 from labkit.measure.rounds import Spread
 
 TARGET_VS_TRANSFORMERS = 2.0  # labkit's throughput over transformers', met in every round
-SECTIONS = ("labkit", "labkit_unfused", "labkit_eager", "prefix_cached", "prefix_uncached",
-            "transformers")
+SECTIONS = ("labkit", "labkit_full_decode_only", "labkit_unfused", "labkit_eager",
+            "prefix_cached", "prefix_uncached", "transformers")
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,10 @@ class BenchmarkConfig:
 # --- labkit -----------------------------------------------------------------------------------
 
 def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=False,
-               enable_prefix_caching=True, fused_ops=None) -> tuple[dict, list[list[int]]]:
+               enable_prefix_caching=True, fused_ops=None, cudagraph_mode=None
+               ) -> tuple[dict, list[list[int]]]:
     llm = LLM(model, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
-              fused_ops=fused_ops,
+              fused_ops=fused_ops, cudagraph_mode=cudagraph_mode,
               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
               max_model_len=min(cfg.model_config.max_position_embeddings,
                                 cfg.system_prompt_len + cfg.prompt_lens[1] + cfg.output_lens[1]))
@@ -150,6 +154,7 @@ def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=Fal
             sum(len(o.token_ids) for o in outs), seconds, [o.ttft_s for o in outs],
             [o.tpot_s for o in outs], backend=llm.backend,
             graph_steps=after.num_graph_steps - before.num_graph_steps,
+            piecewise_steps=after.num_piecewise_steps - before.num_piecewise_steps,
             steps=after.num_steps - before.num_steps,
             preemptions=after.preemptions - before.preemptions,
             prefix_hit_rate=round(hits / admitted, 4) if admitted else 0.0,
@@ -196,6 +201,7 @@ def _median_pass(runs: list[dict]) -> dict:
 RATIOS = {"ratio_vs_transformers": ("labkit", "transformers"),
           "graphs_gain": ("labkit_unfused", "labkit_eager"),
           "fused_gain": ("labkit", "labkit_unfused"),
+          "mode_gain": ("labkit", "labkit_full_decode_only"),
           "prefix_gain": ("prefix_cached", "prefix_uncached")}
 
 
@@ -218,7 +224,8 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
     results = {"workload": {**asdict(cfg), "config": cfg.model_config.to_dict(),
                             "requested_output_tokens": requested,
                             "prompt_tokens": sum(map(len, prompts))},
-               "device": device.type, "fingerprint": fingerprint(), "sections": {}}
+               "device": device.type, "fingerprint": fingerprint(), "sections": {},
+               "cudagraph_mode": resolve_cudagraph_mode(None, False, device)}
     print(f"{cfg.num_requests} requests, {sum(map(len, prompts)):,} prompt tokens, "
           f"{requested:,} output tokens, "
           f"{cfg.model_config.num_parameters() / 1e9:.2f}B parameters, {cfg.dtype}; "
@@ -228,6 +235,11 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
     shared = [system + p for p in prompts]
     labkit_runs = {
         "labkit": lambda: run_labkit(model, prompts, olens, cfg),
+        # Full graphs for uniform decode only, every other step eager; on CPU, where there are
+        # no full graphs, every step eager.
+        "labkit_full_decode_only": lambda: run_labkit(
+            model, prompts, olens, cfg,
+            cudagraph_mode="full_decode_only" if device.type == "cuda" else "none"),
         "labkit_unfused": lambda: run_labkit(model, prompts, olens, cfg, fused_ops=False),
         "labkit_eager": lambda: run_labkit(model, prompts, olens, cfg, enforce_eager=True,
                                            fused_ops=False),
@@ -296,15 +308,15 @@ def verdict(spread: Spread | None, target: float) -> str:
 
 
 def _report(results, cfg: BenchmarkConfig, spreads: dict) -> None:
-    print(f"{'section':<17}{'tokens':>9}{'seconds':>10}{'tok/s':>11}{'range':>19}{'TTFT ms':>10}"
+    print(f"{'section':<24}{'tokens':>9}{'seconds':>10}{'tok/s':>11}{'range':>19}{'TTFT ms':>10}"
           f"{'TPOT ms':>10}")
     for name in SECTIONS:
         s = results["sections"][name]
         if "error" in s:
-            print(f"{name:<17} FAILED: {s['error'][:200]}")
+            print(f"{name:<24} FAILED: {s['error'][:200]}")
             continue
         span = f"{s['tokens_per_s_low']:,.0f}-{s['tokens_per_s_high']:,.0f}"
-        print(f"{name:<17}{s['output_tokens']:>9,}{s['seconds']:>10.2f}{s['tokens_per_s']:>11,.0f}"
+        print(f"{name:<24}{s['output_tokens']:>9,}{s['seconds']:>10.2f}{s['tokens_per_s']:>11,.0f}"
               f"{span:>19}{s['ttft_median_ms'] or float('nan'):>10.1f}"
               f"{s['tpot_median_ms'] or float('nan'):>10.2f}"
               + (f"  ({s['triton_compiles']} Triton compiles inside the clock)"
@@ -313,6 +325,9 @@ def _report(results, cfg: BenchmarkConfig, spreads: dict) -> None:
     if ratio is not None:
         print(f"labkit / transformers: {ratio:.2fx} ({verdict(ratio, TARGET_VS_TRANSFORMERS)}"
               f"{'; quick mode: not the target workload' if cfg.quick else ''})")
+    if spreads["mode_gain"] is not None:
+        mode = results.get("cudagraph_mode", "the default")
+        print(f"cudagraph_mode {mode} / full_decode_only: {spreads['mode_gain']:.2fx}")
     if spreads["graphs_gain"] is not None:
         print(f"CUDA Graphs on / off (both unfused): {spreads['graphs_gain']:.2fx}")
     if spreads["fused_gain"] is not None:

@@ -24,6 +24,7 @@ import labkit  # noqa: F401  (before triton: interpreter on where there is no GP
 import torch
 import triton
 import triton.language as tl
+from labkit.kernels.grid import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         _add_rms_norm_kernel[(x.shape[0],)](
             x, r, weight, out, new_residual, x.stride(0), r.stride(0), out.stride(0),
             new_residual.stride(0), x.shape[1], eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(x.shape[1]))
+            BLOCK=next_power_of_2(x.shape[1]))
     return out, new_residual
 
 
@@ -115,7 +116,7 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     if qkv.shape[0]:
         half = head_dim // 2
         _rope_kernel[(qkv.shape[0], num_q_heads + num_kv_heads)](
-            qkv, positions, inv_freq, qkv.stride(0), HALF=half, HALF_P=triton.next_power_of_2(half))
+            qkv, positions, inv_freq, qkv.stride(0), HALF=half, HALF_P=next_power_of_2(half))
     return qkv
 
 
@@ -167,8 +168,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     if gate_up.shape[0] and n:
-        block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](
+        block = min(1024, next_power_of_2(n))
+        _silu_mul_kernel[(gate_up.shape[0], cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
 

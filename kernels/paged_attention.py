@@ -34,12 +34,15 @@ in labkit/recorded_data/attention_backends.json).
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import labkit  # noqa: F401  (before triton: interpreter on where there is no GPU)
 import torch
 import triton
 import triton.language as tl
+from labkit.kernels.grid import cdiv, next_power_of_2
 from labkit import check_positive_int
 from labkit.device import interpreter_on
 from labkit.kernels.attention_checks import (check_cache, check_cu_seqlens, check_tables,
@@ -149,10 +152,17 @@ def paged_attention_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host side: the input checks (attention_checks.py), the tile plan, then the launch.
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: small enough that the tests' small batches exercise the split
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_scale(device) -> torch.Tensor:
+    """What the scale pointers get when the cache is not fp8 (never read): one per device."""
+    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 # What ``tuning=`` may override, and the values each key allows (checked before any launch, so
@@ -196,9 +206,9 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
     num_stages, maxnreg). ``labkit.lessons.attention_backends.sass`` compiles the same plan ahead
     of time to read the machine code a GPU runs."""
     tuning = check_tuning(tuning)
-    group_p = triton.next_power_of_2(group)
+    group_p = next_power_of_2(group)
     row_cap = 32 if interpreter_on() else 64
-    block_q = min(triton.next_power_of_2(max_query_len), max(1, row_cap // group_p))
+    block_q = min(next_power_of_2(max_query_len), max(1, row_cap // group_p))
     if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
         group_p = max(group_p, 16)
     block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
@@ -247,44 +257,86 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
                                           "max_query_len", "new tokens")
     if num_splits is not None:  # a host int: checked on every call, before any work
         check_positive_int("num_splits", num_splits, hint="or None to choose")
-    out = torch.empty_like(q)
     if q.shape[0] == 0 or max_query_len == 0:
+        return torch.empty_like(q)
+    plan = plan_paged_attention(fp8, q.shape[1], k_cache.shape, block_tables.shape[0],
+                                max_seq_len, max_query_len, q.device, causal=causal,
+                                window=window, scale=scale, num_splits=num_splits, tuning=tuning)
+    return plan.run(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale)
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    """What one batch's launches share: the tile constants, the grid, the KV split. An engine
+    plans once per step and runs the plan in every layer (only the caches and q change), so a
+    layer pays for the launch and nothing else."""
+    consts: dict
+    launch: dict
+    grid: tuple[int, int, int]
+    num_splits: int
+    keys_per_split: int
+    scale: float
+    window: int | None
+    head_dim: int
+    block_size: int
+    empty: bool  # no new token: nothing to launch
+
+    def run(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale=None,
+            v_scale=None, out=None):
+        """The launch: q [total_q, Hq, D] -> ``out`` (allocated when None), [total_q, Hq, D]."""
+        out = torch.empty_like(q) if out is None else out
+        if self.empty or q.shape[0] == 0:
+            return out
+        split = self.num_splits > 1
+        if split:
+            partial = torch.empty(q.shape[0], q.shape[1], self.num_splits, self.head_dim,
+                                  dtype=torch.float32, device=q.device)
+            lse = torch.empty(q.shape[0], q.shape[1], self.num_splits, dtype=torch.float32,
+                              device=q.device)
+            dest, lse_strides = partial, (lse.stride(0), lse.stride(1))
+        else:
+            dest, lse, lse_strides = out, out, (0, 0)
+        scaled = self.consts["SCALED"]
+        dummy = _unused_scale(q.device)
+        paged_attention_kernel[self.grid](
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+            k_scale if scaled else dummy, v_scale if scaled else dummy, dest, lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0),
+            dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
+            self.scale * LOG2_E, self.scale, self.window or 0, self.num_splits,
+            self.keys_per_split, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
+            WINDOW=self.window is not None, SPLIT=split, **self.consts, **self.launch)
+        if split:
+            merge_splits(partial, lse, out)
         return out
 
-    batch, num_q_heads = seq_lens.numel(), q.shape[1]
+
+LOG2_E = math.log2(math.e)
+
+
+def plan_paged_attention(fp8: bool, num_q_heads: int, cache_shape, batch: int, max_seq_len: int,
+                         max_query_len: int, device, *, causal: bool = True,
+                         window: int | None = None, scale: float | None = None,
+                         num_splits: int | None = None, tuning: dict | None = None
+                         ) -> PagedAttentionPlan:
+    """The plan for a batch of ``batch`` sequences, the longest ``max_seq_len`` tokens with
+    ``max_query_len`` new ones, over caches of ``cache_shape`` (num_blocks, block_size, Hkv,
+    D). ``paged_attention`` checks its inputs and then plans; a caller that plans itself (once
+    per engine step) has checked them already."""
+    _, block_size, num_kv_heads, head_dim = cache_shape
     consts, launch = tile_plan(fp8, head_dim, num_q_heads // num_kv_heads, max_query_len,
                                causal, tuning)
-    block_q, block_n = consts["BLOCK_Q"], consts["BLOCK_N"]
-    q_tiles = triton.cdiv(max_query_len, block_q)
+    q_tiles = cdiv(max_query_len, consts["BLOCK_Q"])
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_seq_len,
-                                       _num_sms(q.device))
+                                       _num_sms(torch.device(device)))
     check_positive_int("num_splits", num_splits, hint="or None to choose")
-    keys_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    split = num_splits > 1
-    if split:
-        partial = torch.empty(q.shape[0], num_q_heads, num_splits, head_dim,
-                              dtype=torch.float32, device=q.device)
-        lse = torch.empty(q.shape[0], num_q_heads, num_splits, dtype=torch.float32,
-                          device=q.device)
-        dest, lse_strides = partial, (lse.stride(0), lse.stride(1))
-    else:
-        dest, lse, lse_strides = out, out, (0, 0)
-    scale = softmax_scale(scale, head_dim)
-    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
-    paged_attention_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy, dest, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
-        scale * math.log2(math.e), scale, window or 0, num_splits, keys_per_split,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, WINDOW=window is not None, SPLIT=split,
-        **consts, **launch)
-    if split:
-        merge_splits(partial, lse, out)
-    return out
-
+    block_n = consts["BLOCK_N"]
+    keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    return PagedAttentionPlan(consts, launch, (batch, num_kv_heads, q_tiles * num_splits),
+                              num_splits, keys_per_split, softmax_scale(scale, head_dim), window,
+                              head_dim, block_size, empty=batch == 0 or max_query_len == 0)
 
 if __name__ == "__main__":
     from labkit.attention.reference import paged_attention_ref

@@ -16,6 +16,7 @@ import labkit  # noqa: F401  (before triton: interpreter on where there is no GP
 import torch
 import triton
 import triton.language as tl
+from labkit.kernels.grid import cdiv, next_power_of_2
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its partial write, the merge) dominates
 MAX_SPLITS = 64
@@ -32,7 +33,7 @@ def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
     wanted = int(WAVES * num_sms / max(programs, 1) + 0.5)
     if wanted <= 1:
         return 1
-    useful = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
+    useful = cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
@@ -67,7 +68,7 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) ->
         partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_P=triton.next_power_of_2(num_splits))
+        HEAD_DIM=head_dim, SPLITS_P=next_power_of_2(num_splits))
     return out
 
 

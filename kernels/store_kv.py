@@ -16,6 +16,7 @@ import labkit  # noqa: F401  (before triton: interpreter on where there is no GP
 import torch
 import triton
 import triton.language as tl
+from labkit.kernels.grid import cdiv, next_power_of_2
 
 FP8_E4M3_MAX = 448.0                        # largest finite e4m3 value
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)       # the same, as the kernel may read a global
@@ -156,9 +157,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          "other: slots address them as one flat row index")
     if slot_mapping.dtype != torch.int64:
         slot_mapping = slot_mapping.long()
-    block_dim = triton.next_power_of_2(head_dim)
-    block_heads = min(triton.next_power_of_2(num_heads), max(1, 2048 // block_dim))
-    grid = (num_tokens, triton.cdiv(num_heads, block_heads))
+    block_dim = next_power_of_2(head_dim)
+    block_heads = min(next_power_of_2(num_heads), max(1, 2048 // block_dim))
+    grid = (num_tokens, cdiv(num_heads, block_heads))
     dummy = k_scale if fp8 else slot_mapping  # never read when QUANTIZE is off
     store_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping,

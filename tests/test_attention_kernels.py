@@ -151,6 +151,25 @@ def test_paged_split_kv_gives_the_same_answer_as_one_pass(num_splits):
     assert err < 2e-4, f"seed {seed}: {num_splits} splits max error {err:.2e}"
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_one_plan_serves_every_layer_and_writes_into_the_given_output(num_splits):
+    """An engine plans a step once and launches it per layer (each its own cache): every layer
+    matches the reference, written into the buffer it was given."""
+    from labkit.kernels.paged_attention import plan_paged_attention
+    seed = fresh_seed()
+    layers = [paged([1, 5, 0], [33, 21, 7], 4, 2, 64, 16, torch.float32, seed + i)
+              for i in range(2)]
+    q, k0, _, table, cu, lens = layers[0]
+    plan = plan_paged_attention(False, q.shape[1], k0.shape, len(lens), table.shape[1] * 16, 5,
+                                q.device, num_splits=num_splits)
+    for q, k, v, _, _, _ in layers:  # the same table and lengths, a cache per layer
+        out = torch.full_like(q, float("nan"))
+        got = plan.run(q, k, v, table, cu, lens, out=out)
+        assert got is out
+        err = max_err(out, paged_attention_ref(q, k, v, table, cu, lens))
+        assert err < 2e-4, f"seed {seed}: planned launch max error {err:.2e}"
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_paged_large_head_dims(head_dim):
     seed = fresh_seed()

@@ -165,7 +165,8 @@ def test_gpu_every_cudagraph_mode_gives_the_same_tokens(hf_model):
     params = SamplingParams(max_tokens=24)
     tokens, engines = {}, {}
     for mode in CUDAGRAPH_MODES:
-        llm = LLM(hf_model[1], device="cuda", cudagraph_mode=mode, max_num_batched_tokens=32)
+        llm = LLM(hf_model[1], device="cuda", cudagraph_mode=mode, max_num_batched_tokens=32,
+                  max_num_seqs=8)
         assert llm.cudagraph_mode == mode
         tokens[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         engines[mode] = llm.stats

@@ -71,7 +71,7 @@ class LLM:
     request at full length; on a GPU at most half the free memory). A step computes at most
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` requests. ``backend``: "auto"
     or a name of ``labkit.attention.BACKENDS``. ``cudagraph_mode`` says which steps replay CUDA
-    Graphs (``labkit.engine.runner`` explains the four modes; None: "full_decode_only" on CUDA,
+    Graphs (``labkit.engine.runner`` explains the four modes; None: "full_and_piecewise" on CUDA,
     "none" elsewhere); ``enforce_eager=True`` is "none". ``cudagraph_capture_sizes``: the token
     counts piecewise graphs are captured for (default ``default_token_buckets``).
     ``decode_context_buckets``: key full decode graphs by (batch, context bucket) too, so each

@@ -8,14 +8,17 @@ writes the same buffers every time, ``max_tokens`` rows each, of which a step us
 ``bucket`` rows:
 
     ids, positions        the step's tokens (the runner copies them in; padding rows are 0)
-    qkv                   the rotated q, k and v of the layer whose attention runs next
+    slots                 their KV slots (padding rows -1: never written)
+    qkv                   the rotated q (and k, v) of the layer whose attention runs next
     residual              the residual stream
     attn                  attention's output, written by the eager attention between pieces
     hidden                the final-normed hidden states, from the last piece
 
-Attention itself (``attend``) runs eagerly between the pieces on the step's real tokens only: it
-stores their K/V in the paged cache and reads each row's context through its block table, so it
-needs the step's metadata, which a graph would have frozen. Padding rows never reach it, and no
+Storing a token's K and V is token by token too (its slot is one more per-token input), so on a
+GPU each piece writes its layer's new K/V into the paged cache itself (``cache=``); without a
+cache the attention between the pieces stores them. Attention itself (``attend``) runs eagerly
+between the pieces on the step's real tokens only: it reads each row's context through its
+block table, so it needs the step's metadata, which a graph would have frozen. Padding rows never reach it, and no
 token's row depends on another's outside attention, so what padding computes is never read.
 """
 from __future__ import annotations
@@ -27,11 +30,12 @@ from labkit.engine.model import AttentionFn, LlamaModel, split_heads
 
 
 class PiecewiseForward:
-    def __init__(self, model: LlamaModel, ops, max_tokens: int):
+    def __init__(self, model: LlamaModel, ops, max_tokens: int, cache=None):
         c, dev, dtype = model.config, model.embed_tokens.device, model.embed_tokens.dtype
-        self.model, self.ops, self.max_tokens = model, ops, max_tokens
+        self.model, self.ops, self.max_tokens, self.cache = model, ops, max_tokens, cache
         self.ids = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
         self.qkv = torch.zeros(max_tokens, c.q_size + 2 * c.kv_size, dtype=dtype, device=dev)
         self.residual = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=dev)
         self.attn = torch.zeros(max_tokens, c.q_size, dtype=dtype, device=dev)
@@ -44,16 +48,25 @@ class PiecewiseForward:
     @property
     def static_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
-            self.ids, self.positions, self.qkv, self.residual, self.attn, self.hidden))
+            self.ids, self.positions, self.slots, self.qkv, self.residual, self.attn,
+            self.hidden))
 
     def pieces(self) -> list:
         return [lambda n, i=i: self.piece(i, n) for i in range(self.num_pieces)]
 
-    def _keep(self, n: int, q, k, v, residual) -> None:
+    def _keep(self, layer: int, n: int, q, k, v, residual) -> None:
+        """What the attention after the piece reads, into the static buffers: q (and k, v
+        when it stores them itself) and the residual stream."""
         c = self.model.config
-        for kept, new in zip(split_heads(self.qkv[:n], c.num_attention_heads,
-                                         c.num_key_value_heads), (q, k, v)):
-            kept.copy_(new)
+        kept_q, kept_k, kept_v = split_heads(self.qkv[:n], c.num_attention_heads,
+                                             c.num_key_value_heads)
+        if q.data_ptr() != kept_q.data_ptr():
+            kept_q.copy_(q)
+        if self.cache is not None:
+            self.cache.write(layer, k, v, self.slots[:n], check=False)
+        else:
+            kept_k.copy_(k)
+            kept_v.copy_(v)
         self.residual[:n].copy_(residual)
 
     def piece(self, i: int, n: int) -> None:
@@ -65,31 +78,44 @@ class PiecewiseForward:
         else:
             x, residual = layers[i - 1].after_attention(self.attn[:n], self.residual[:n], ops)
         if i < len(layers):
-            self._keep(n, *layers[i].before_attention(x, residual, rotary, ops))
+            self._keep(i, n, *layers[i].before_attention(x, residual, rotary, ops))
         else:
             hidden = ops.add_rms_norm(x, residual, model.norm, model.config.rms_norm_eps)[0]
             self.hidden[:n].copy_(hidden)
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
-        """The step's tokens into the static inputs; rows up to ``bucket`` padded with 0."""
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+             bucket: int) -> None:
+        """The step's tokens into the static inputs; rows up to ``bucket`` padded with 0 (slot
+        -1)."""
         n = input_ids.shape[0]
         self.ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(slot_mapping)
         if n < bucket:
             self.ids[n:bucket].zero_()
             self.positions[n:bucket].zero_()
+            self.slots[n:bucket].fill_(-1)
 
     def attend(self, layer: int, n: int, attention: AttentionFn) -> None:
-        """Layer ``layer``'s attention on the ``n`` real tokens, into ``attn``."""
+        """Layer ``layer``'s attention on the ``n`` real tokens, into ``attn``. ``attention``
+        takes ``out=`` (the runner's does): a backend that writes there saves a copy."""
         c = self.model.config
         q, k, v = split_heads(self.qkv[:n], c.num_attention_heads, c.num_key_value_heads)
-        self.attn[:n].copy_(attention(layer, q, k, v).reshape(n, c.q_size))
+        out = self.attn[:n].view(q.shape)
+        result = attention(layer, q, k, v, out=out)
+        if result.data_ptr() != out.data_ptr():
+            out.copy_(result)
 
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              attention: AttentionFn) -> torch.Tensor:
-        """The same pieces run eagerly, no graphs: [n] tokens -> hidden states [n, hidden]."""
+              attention: AttentionFn, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+        """The same pieces run eagerly, no graphs: [n] tokens -> hidden states [n, hidden].
+        ``slot_mapping`` is needed when the pieces store K/V (``cache=``)."""
         n = input_ids.shape[0]
-        self.load(input_ids, positions, n)
+        if slot_mapping is None:
+            if self.cache is not None:
+                raise ValueError("these pieces store K/V into the cache: pass slot_mapping")
+            slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=input_ids.device)
+        self.load(input_ids, positions, slot_mapping, n)
         for i in range(self.num_pieces):
             self.piece(i, n)
             if i < self.num_pieces - 1:

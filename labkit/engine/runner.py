@@ -34,8 +34,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -57,9 +57,8 @@ log = logging.getLogger("labkit.engine")
 PAD = -1  # graph padding rows: slot -1 is skipped by store_kv; ids and lengths are clamped to 0
 
 CUDAGRAPH_MODES = ("none", "full_decode_only", "piecewise", "full_and_piecewise")
-# The default on CUDA. vLLM V1's is full_and_piecewise; labkit's stays full_decode_only until
-# benchmarks/engine.py has measured full_and_piecewise beating it on the H200.
-DEFAULT_CUDA_GRAPH_MODE = "full_decode_only"
+# The default on CUDA, as vLLM V1's: full graphs for uniform decode, piecewise for the rest.
+DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"
 
 
 def resolve_cudagraph_mode(cudagraph_mode: str | None, enforce_eager: bool,
@@ -268,17 +267,20 @@ class ModelRunner:
         taken from ``prev_tokens``, the previous step's samples on the device."""
         width = len(md.block_tables[0]) if md.block_tables else 0
         parts = (md.input_ids, md.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
-                 list(chain.from_iterable(md.block_tables)), md.logits_indices,
-                 md.pending_dst, md.pending_src)
-        flat = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int32)
+                 md.block_tables, md.logits_indices, md.pending_dst, md.pending_src)
+        sizes = [len(p) for p in parts]
+        sizes[5] = len(md.block_tables) * width
+        # numpy converts a list of ints in C: a mixed step's padded block tables alone are
+        # tens of thousands of them, which torch.tensor(list) takes a millisecond for.
+        flat = torch.from_numpy(np.concatenate(
+            [np.asarray(p, dtype=np.int32).reshape(-1) for p in parts]))
         if self.staging is None:
             buf = flat
         else:
             host = self.staging.stage(flat.shape, torch.int32)
             host.copy_(flat)
             buf = self.staging.submit().wait()
-        ids, pos, slots, cu, lens, tables, logits_idx, dst, src = buf.split(
-            [len(p) for p in parts])
+        ids, pos, slots, cu, lens, tables, logits_idx, dst, src = buf.split(sizes)
         if len(md.pending_dst):
             if prev_tokens is None:
                 raise RuntimeError("this step reads tokens sampled by the previous one: pass "
@@ -288,25 +290,46 @@ class ModelRunner:
                               logits_idx)
 
     # ------------------------------------------------------------------ forward
-    def _paged_kwargs(self, max_query_len: int) -> dict:
-        if self.backend.name == "triton":  # no host sync: the runner built the metadata itself
-            return {"check": False, "max_query_len": max_query_len}
-        return {}
+    def _paged(self, md: DeviceMetadata, max_query_len: int):
+        """(q, layer, out) -> attention of the step's rows over layer's cache. With labkit's
+        Triton kernel the launch is planned once for the step (tiles, grid, KV split: the same
+        in every layer) and each layer only launches; the runner built the metadata itself, so
+        no host sync checks it. Other backends are called as they are, per layer."""
+        cache = self.cache
+        if self.backend.name == "triton":
+            from labkit.kernels.paged_attention import plan_paged_attention
+            plan = plan_paged_attention(
+                False, self.model.config.num_attention_heads, cache.key_cache(0).shape,
+                md.seq_lens.numel(), md.block_tables.shape[1] * cache.block_size,
+                max_query_len, self.device)
 
-    def _attention(self, md: DeviceMetadata, max_query_len: int):
-        cache, paged = self.cache, self.backend.paged
-        kwargs = self._paged_kwargs(max_query_len)
+            def run(q, layer, out):
+                return plan.run(q, cache.key_cache(layer), cache.value_cache(layer),
+                                md.block_tables, md.cu_seqlens_q, md.seq_lens,
+                                *cache.scales(layer), out=out)
+            return run
+        paged = self.backend.paged
 
-        def attention(layer, q, k, v):
+        def run(q, layer, out):
+            result = paged(q, cache.key_cache(layer), cache.value_cache(layer), md.block_tables,
+                           md.cu_seqlens_q, md.seq_lens).to(q.dtype)
+            return result if out is None else out.copy_(result)
+        return run
+
+    def _attention(self, md: DeviceMetadata, max_query_len: int, *, store: bool = True):
+        """The step's AttentionFn; ``store=False`` when the K/V were stored already (piecewise
+        graphs store them inside the pieces)."""
+        cache, run = self.cache, self._paged(md, max_query_len)
+
+        def attention(layer, q, k, v, out=None):
             # Every new token's K/V goes in before any row reads: a prefix hit admitted in this
             # step may read blocks that another row of the same step is writing.
             # The slots come from the block manager (in range by construction): no host sync
             # to check them, which would also stall async scheduling's overlap.
-            cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel,
-                        check=False)
-            out = paged(q, cache.key_cache(layer), cache.value_cache(layer), md.block_tables,
-                        md.cu_seqlens_q, md.seq_lens, **kwargs)
-            return out.to(q.dtype)
+            if store:
+                cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel,
+                            check=False)
+            return run(q, layer, out)
         return attention
 
     @torch.inference_mode()
@@ -329,8 +352,8 @@ class ModelRunner:
         tokens = md.num_tokens
         if graph_batch is None and self.piecewise is not None and \
                 (bucket := self.piecewise.bucket_for(tokens)) is not None:
-            self.pieces.load(dev.input_ids, dev.positions, bucket)
-            attention = self._attention(dev, md.max_seqlen_q)
+            self.pieces.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
+            attention = self._attention(dev, md.max_seqlen_q, store=self.pieces.cache is None)
             self.piecewise.run(tokens, lambda layer: self.pieces.attend(layer, tokens, attention))
             hidden = self.pieces.hidden[:tokens]
             return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]),
@@ -376,7 +399,11 @@ class ModelRunner:
             raise ValueError("on CPU, piecewise graphs are captured by labkit's stand-in, which "
                              "records torch ops and cannot see the fused Triton kernels: pass "
                              "fused_ops=False with cudagraph_mode='piecewise'")
-        self.pieces = PiecewiseForward(self.model, ops, max(buckets))
+        # On a GPU each piece stores its layer's new K/V itself (a kernel per token, padding
+        # slots -1 skipped), so only attention runs between the graphs. On CPU the stand-in
+        # cannot record the store kernel: attention stores them.
+        self.pieces = PiecewiseForward(self.model, ops, max(buckets),
+                                       cache=self.cache if self.device.type == "cuda" else None)
         self.piecewise = PiecewiseGraphs(self.pieces.pieces(), buckets,
                                          cuda=cuda_for(self.device))
         stats = self.piecewise.capture()
