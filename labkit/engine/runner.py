@@ -19,10 +19,12 @@ For each step it
   so the shapes depend only on the batch. Padding rows carry -1 everywhere: slot -1 is never
   written (``store_kv``), and their outputs are dropped. Every other step runs eagerly.
 * ``"piecewise"``: every step of at most the largest token bucket replays piecewise graphs
-  (``labkit.engine.pieces``): the work between attentions captured per token count, attention
-  run eagerly between the pieces with the step's real metadata, so any mix of prefill chunks
-  and decodes replays. Attention is never captured, so any backend serves.
-* ``"full_and_piecewise"``: full graphs for decode-only steps, piecewise for the rest.
+  (``labkit.engine.pieces``): the work between attentions captured per token count (on a GPU
+  the K/V store too), attention run eagerly between the pieces with the step's real metadata,
+  planned once for the step, so any mix of prefill chunks and decodes replays. Attention is
+  never captured, so any backend serves.
+* ``"full_and_piecewise"``: full graphs for decode-only steps, piecewise for the rest: the
+  default on CUDA, as vLLM V1's.
 * ``"none"``: every step eager (``enforce_eager=True``).
 
 On CPU the default is ``"none"``; ``"piecewise"`` captures with labkit's CPU stand-in
