@@ -60,8 +60,7 @@ class PiecewiseForward:
         c = self.model.config
         kept_q, kept_k, kept_v = split_heads(self.qkv[:n], c.num_attention_heads,
                                              c.num_key_value_heads)
-        if q.data_ptr() != kept_q.data_ptr():
-            kept_q.copy_(q)
+        kept_q.copy_(q)
         if self.cache is not None:
             self.cache.write(layer, k, v, self.slots[:n], check=False)
         else:
@@ -97,27 +96,9 @@ class PiecewiseForward:
             self.slots[n:bucket].fill_(-1)
 
     def attend(self, layer: int, n: int, attention: AttentionFn) -> None:
-        """Layer ``layer``'s attention on the ``n`` real tokens, into ``attn``. ``attention``
-        takes ``out=`` (the runner's does): a backend that writes there saves a copy."""
+        """Layer ``layer``'s attention on the ``n`` real tokens, into ``attn``: ``attention``
+        fills the ``out=`` it is given (the runner's does; labkit's kernel writes there, with no
+        copy)."""
         c = self.model.config
         q, k, v = split_heads(self.qkv[:n], c.num_attention_heads, c.num_key_value_heads)
-        out = self.attn[:n].view(q.shape)
-        result = attention(layer, q, k, v, out=out)
-        if result.data_ptr() != out.data_ptr():
-            out.copy_(result)
-
-    def eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              attention: AttentionFn, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
-        """The same pieces run eagerly, no graphs: [n] tokens -> hidden states [n, hidden].
-        ``slot_mapping`` is needed when the pieces store K/V (``cache=``)."""
-        n = input_ids.shape[0]
-        if slot_mapping is None:
-            if self.cache is not None:
-                raise ValueError("these pieces store K/V into the cache: pass slot_mapping")
-            slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=input_ids.device)
-        self.load(input_ids, positions, slot_mapping, n)
-        for i in range(self.num_pieces):
-            self.piece(i, n)
-            if i < self.num_pieces - 1:
-                self.attend(i, n, attention)
-        return self.hidden[:n]
+        attention(layer, q, k, v, out=self.attn[:n].view(q.shape))

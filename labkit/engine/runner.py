@@ -301,7 +301,7 @@ class ModelRunner:
         if self.backend.name == "triton":
             from labkit.kernels.paged_attention import plan_paged_attention
             plan = plan_paged_attention(
-                False, self.model.config.num_attention_heads, cache.key_cache(0).shape,
+                cache.k_scale is not None, self.model.config.num_attention_heads, cache.key_cache(0).shape,
                 md.seq_lens.numel(), md.block_tables.shape[1] * cache.block_size,
                 max_query_len, self.device)
 
