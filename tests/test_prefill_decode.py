@@ -266,6 +266,23 @@ def test_the_pair_in_rounds_keeps_every_rounds_figures_and_the_median_run(tiny_m
         cp.interference_pair(tiny_model, rounds=2)
 
 
+def test_modes_run_a_pair_per_mode_in_the_same_rounds(tiny_model):
+    runs = cp.interference_modes(tiny_model, modes=("none", "piecewise"), num_running=2,
+                                 running_tokens=10, long_prompt=60, chunk_budget=16,
+                                 arrive_after=3, rounds=3)
+    assert [(r.cudagraph_mode, r.chunked) for r in runs] == [
+        ("none", True), ("none", False), ("piecewise", True), ("piecewise", False)]
+    chunked = runs[2]
+    assert chunked.steps.graph[chunked.mixed].eq("piecewise").all(), "mixed steps replayed"
+    assert (runs[0].steps.graph == "eager").all()
+    assert all(len(r.per_round("mixed_step_ms")) == 3 for r in runs)
+    assert "piecewise" in chunked.label and "piecewise" in set(cp.summary_table(runs).cudagraph_mode)
+    again = cp.Interference.from_dict(chunked.to_dict())
+    assert again.cudagraph_mode == "piecewise" and again.round_figures == chunked.round_figures
+    with pytest.raises(ValueError, match="modes must name"):
+        cp.interference_modes(tiny_model, modes=())
+
+
 def test_the_pair_runs_chunked_then_whole_each_step_synchronised(two_runs):
     on, off = two_runs
     assert (on.chunked, on.budget) == (True, 16)

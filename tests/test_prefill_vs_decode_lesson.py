@@ -195,7 +195,7 @@ def test_latency_claims_hold_on_the_recording_and_fail_when_cases_are_swapped(re
 
 
 def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_swapped(rec):
-    on, off = (cp.Interference.from_dict(d) for d in rec.data["engine"]["interference"])
+    on, off = (cp.Interference.from_dict(d) for d in rec.data["engine"]["interference"][:2])
     assert held(pc.interference_claims(on, off, recorded=rec)) == [True] * 3
     short_stall = cp.Interference(off.chunked, off.budget, off.gaps.assign(
         gap_ms=off.gaps.gap_ms / 10), off.steps, off.long_ttft_ms)
@@ -207,6 +207,40 @@ def test_interference_claims_hold_on_the_recording_and_fail_when_the_runs_are_sw
         duration_ms=on.steps.duration_ms.where(~on.mixed, 0.5)), on.long_ttft_ms, 0, False)
     assert held(pc.interference_claims(no_mix, off, recorded=rec))[2] is False, (
         "mixed steps faster than decode-only ones")
+
+
+def _mode_runs(rec, eager, piecewise):
+    """Four runs (eager-mixed pair, piecewise pair) built on the recording's two, each with
+    three rounds of (long_ttft_ms, worst_gap_ms, mixed_step_ms) as given per run."""
+    on, off = (cp.Interference.from_dict(d) for d in rec.data["engine"]["interference"][:2])
+    runs = []
+    for mode, figures in (("full_decode_only", eager), ("full_and_piecewise", piecewise)):
+        for base, (ttft, gap, step) in zip((on, off), figures):
+            runs.append(dataclasses.replace(base, cudagraph_mode=mode, round_figures=[
+                {"long_ttft_ms": ttft * k, "worst_gap_ms": gap * k, "prefill_gap_ms": gap,
+                 "mixed_step_ms": step * k} for k in (0.98, 1.0, 1.03)]))
+    return runs
+
+
+def test_piecewise_chunk_claims_compare_the_modes_round_by_round(rec):
+    # (ttft, worst gap, mixed step) for chunked then whole, eager mixed steps then piecewise
+    eager = [(400.0, 12.0, 12.0), (100.0, 100.0, 100.0)]
+    piecewise = [(140.0, 5.0, 4.5), (100.0, 100.0, 100.0)]
+    runs = _mode_runs(rec, eager, piecewise)
+    made = pc.piecewise_chunk_claims(runs, recorded=rec)
+    assert held(made) == [True] * 3
+    assert "target of 3x is met in every round" in made[1].text
+    assert "target of at most 1.5x is met in every round" in made[2].text
+    slower = _mode_runs(rec, eager, [(140.0, 5.0, 13.0), piecewise[1]])
+    assert held(pc.piecewise_chunk_claims(slower, recorded=rec))[0] is False, (
+        "a replayed mixed step slower than eager")
+    no_cut = _mode_runs(rec, eager, [(140.0, 150.0, 4.5), piecewise[1]])
+    assert held(pc.piecewise_chunk_claims(no_cut, recorded=rec))[1] is False
+    dearer = _mode_runs(rec, eager, [(500.0, 5.0, 4.5), piecewise[1]])
+    made = pc.piecewise_chunk_claims(dearer, recorded=rec)
+    assert held(made)[2] is False and "target of at most 1.5x is not met" in made[2].text
+    one_mode = [r for r in runs if r.cudagraph_mode == "full_decode_only"]
+    assert pc.piecewise_chunk_claims(one_mode, recorded=rec) == [], "nothing to compare"
 
 
 def test_chunk_host_claim_holds_on_the_recording_and_fails_when_a_mixed_step_fits_the_gpu(rec,

@@ -45,30 +45,46 @@ class Interference:
     # long_ttft_ms, worst_gap_ms and prefill_gap_ms; this run's gaps and steps are one of them.
     # None: a single run (an older recording).
     round_figures: list[dict] | None = None
+    # The engine's cudagraph_mode (None: a recording from before the engine had modes, whose
+    # only graphs were full decode graphs).
+    cudagraph_mode: str | None = None
 
     def to_dict(self) -> dict:
         """Plain JSON: missing values (an eager step's graph_batch) as None, not NaN."""
         return {"chunked": self.chunked, "budget": self.budget, "long_ttft_ms": self.long_ttft_ms,
                 "gaps": json_columns(self.gaps), "steps": json_columns(self.steps),
                 "triton_compiles": self.triton_compiles,
-                "async_scheduling": self.async_scheduling, "round_figures": self.round_figures}
+                "async_scheduling": self.async_scheduling, "round_figures": self.round_figures,
+                "cudagraph_mode": self.cudagraph_mode}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Interference":
         return cls(d["chunked"], d["budget"], pd.DataFrame(d["gaps"]), pd.DataFrame(d["steps"]),
                    d["long_ttft_ms"], d.get("triton_compiles"), d.get("async_scheduling", True),
-                   d.get("round_figures"))
+                   d.get("round_figures"), d.get("cudagraph_mode"))
 
     def per_round(self, name: str) -> list[float]:
-        """``name`` (long_ttft_ms, worst_gap_ms, prefill_gap_ms) in each round, in round order;
-        this run's own value when it ran once."""
-        if self.round_figures:
-            return [float(f[name]) for f in self.round_figures]
+        """``name`` (a key of ``figures()``) in each round, in round order; this run's own
+        value when it ran once (or its recording kept no such figure per round)."""
+        if self.round_figures and all(name in f for f in self.round_figures):
+            return [math.nan if f[name] is None else float(f[name]) for f in self.round_figures]
         return [float(getattr(self, name))]
 
     def figures(self) -> dict:
         return {"long_ttft_ms": self.long_ttft_ms, "worst_gap_ms": self.worst_gap_ms,
-                "prefill_gap_ms": self.prefill_gap_ms}
+                "prefill_gap_ms": self.prefill_gap_ms,
+                "mixed_step_ms": None if math.isnan(self.mixed_step_ms) else self.mixed_step_ms}
+
+    @property
+    def label(self) -> str:
+        mode = f", {self.cudagraph_mode}" if self.cudagraph_mode else ""
+        return f"chunked prefill {'on' if self.chunked else 'off'} (budget {self.budget}{mode})"
+
+    @property
+    def mixed_step_ms(self) -> float:
+        """Median time of the steps that mixed prompt tokens with decodes (NaN: none did)."""
+        mixed = self.step_ms[self.mixed]
+        return float(mixed.median()) if len(mixed) else math.nan
 
     @property
     def step_ms(self) -> pd.Series:
@@ -174,6 +190,7 @@ def summary_table(runs: Sequence[Interference]) -> pd.DataFrame:
     counts (token budget, steps, compiles, mixed steps) are integer columns; a run that did not
     count its compiles shows <NA>."""
     table = pd.DataFrame([{
+        "cudagraph_mode": r.cudagraph_mode or "full decode graphs",
         "chunked prefill": "on" if r.chunked else "off", "token budget": r.budget,
         "steady gap (ms)": r.steady_gap_ms, "gap during the prefill (ms)": r.prefill_gap_ms,
         "worst gap after arrival (ms)": r.worst_gap_ms,
@@ -205,8 +222,7 @@ def gaps_figure(runs: Sequence[Interference], title: str) -> go.Figure:
                                                          gap_ms=("gap_ms", "max"))
         # "vh": the wait ending at a token is drawn over the interval it lasted
         fig.add_scatter(x=g.t_ms, y=g.gap_ms, mode="lines+markers", line_shape="vh",
-                        name=f"chunked prefill {'on' if r.chunked else 'off'} "
-                             f"(budget {r.budget})")
+                        name=r.label)
     fig.add_vline(x=0, line_dash="dash", annotation_text="long prompt arrives")
     fig.update_layout(title=title, height=420, xaxis_title="ms since the long prompt arrived",
                       yaxis_title="time since the previous token (ms, worst request)")
@@ -217,8 +233,7 @@ def composition_figure(runs: Sequence[Interference], title: str) -> go.Figure:
     """Per step: prefill and decode tokens (stacked bars) and the step's time (line,
     ``Interference.step_ms``: synchronised when the engine ran without async scheduling)."""
     fig = make_subplots(rows=len(runs), cols=1, specs=[[{"secondary_y": True}]] * len(runs),
-                        subplot_titles=[f"chunked prefill {'on' if r.chunked else 'off'}, "
-                                        f"budget {r.budget}" for r in runs])
+                        subplot_titles=[r.label for r in runs])
     top_ms = max(r.step_ms.max() for r in runs)  # one time scale for every run
     for i, r in enumerate(runs, start=1):
         s, first = r.steps, i == 1
@@ -250,26 +265,48 @@ def interference_pair(model, *, num_running: int = 4, running_tokens: int = 32,
     each returned run keeps every round's figures (``round_figures``), and its own gaps and
     steps are those of the round with the median long-prompt TTFT. ``cudagraph_mode`` goes to
     both engines."""
+    return interference_modes(model, modes=(cudagraph_mode,), num_running=num_running,
+                              running_tokens=running_tokens, long_prompt=long_prompt,
+                              chunk_budget=chunk_budget, arrive_after=arrive_after,
+                              kv_cache_memory=kv_cache_memory, rounds=rounds, seed=seed)
+
+
+def interference_modes(model, *, modes: Sequence[str | None], num_running: int = 4,
+                       running_tokens: int = 32, long_prompt: int = 512, chunk_budget: int = 64,
+                       arrive_after: int = 4, kv_cache_memory: int | None = None,
+                       rounds: int = 1, seed: int = 0) -> list[Interference]:
+    """``interference_pair`` once per ``cudagraph_mode`` of ``modes`` (None: the device's
+    default), all in the same rounds: 2 x len(modes) engines, chunked then whole for each mode
+    in order, every round running all of them in a fresh shuffled order. Each run records its
+    engine's mode (``Interference.cudagraph_mode``)."""
     if rounds != 1 and rounds < 3:
         raise ValueError(f"rounds must be 1 or at least 3 (a range needs three), got {rounds}")
+    if not modes:
+        raise ValueError("modes must name at least one cudagraph_mode (None: the default)")
     shape = dict(num_running=num_running, running_tokens=running_tokens,
                  long_prompt_len=long_prompt, arrive_after_steps=arrive_after)
 
-    def engine(chunked: bool, budget: int) -> LLM:
+    def engine(chunked: bool, budget: int, mode: str | None) -> LLM:
         gc.collect()  # free the previous engine (and its KV cache) before making the next
         return LLM(model, enable_prefix_caching=False, enable_chunked_prefill=chunked,
                    max_num_batched_tokens=budget, max_num_seqs=num_running + 1,
                    kv_cache_memory=kv_cache_memory, async_scheduling=False,
-                   cudagraph_mode=cudagraph_mode)
+                   cudagraph_mode=mode)
 
-    configs = ((True, chunk_budget), (False, long_prompt + num_running))
-    if rounds == 1:  # one engine at a time: the second is built after the first is freed
-        return [interference_run(engine(*c), **shape) for c in configs]
+    def run(llm: LLM, **kw) -> Interference:
+        result = interference_run(llm, **shape, **kw)
+        result.cudagraph_mode = llm.cudagraph_mode
+        return result
+
+    configs = [(chunked, budget, mode) for mode in modes
+               for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running))]
+    if rounds == 1:  # one engine at a time: the next is built after the last is freed
+        return [run(engine(*c)) for c in configs]
     engines = [engine(*c) for c in configs]
-    rng, per = random.Random(seed), [[], []]
+    rng, per = random.Random(seed), [[] for _ in configs]
     for r in range(rounds):
-        for i in rng.sample(range(2), 2):
-            per[i].append(interference_run(engines[i], **shape, rehearse=r == 0))
+        for i in rng.sample(range(len(configs)), len(configs)):
+            per[i].append(run(engines[i], rehearse=r == 0))
     runs = []
     for done in per:
         by_ttft = sorted(done, key=lambda run: run.long_ttft_ms)
@@ -285,10 +322,16 @@ def record_engine(model, *, latency_batches: Sequence[int] = (1, 4, 16, 64),
                       128, 512, 1024, 2048, 3072), latency_batch: int = 4, max_tokens: int = 32,
                   num_running: int = 16, running_tokens: int = 64, long_prompt: int = 3584,
                   chunk_budget: int = 512, arrive_after: int = 8,
-                  kv_cache_memory: int | None = 8 * 2**30, rounds: int = 3) -> dict:
+                  kv_cache_memory: int | None = 8 * 2**30, rounds: int = 3,
+                  modes: Sequence[str] | None = None) -> dict:
     """The engine half of ``forward.record``: TTFT/TPOT sweeps (one LLM, default token budget,
-    ``rounds`` interleaved rounds), then ``interference_pair``, all on ``model``. Defaults: the
-    H200 sizes for bench_1b."""
+    ``rounds`` interleaved rounds), then ``interference_modes`` over ``modes`` (mixed steps
+    eager, then replayed piecewise; decode steps replay full graphs in both), all on ``model``.
+    Defaults: the H200 sizes for bench_1b; ``modes`` on CPU: "none" only (full graphs need
+    CUDA, and the CPU stand-in of piecewise graphs is no faster)."""
+    if modes is None:
+        modes = (("full_decode_only", "full_and_piecewise") if
+                 model.embed_tokens.device.type == "cuda" else ("none",))
     llm = LLM(model, enable_prefix_caching=False, kv_cache_memory=kv_cache_memory,
               max_num_seqs=max(*latency_batches, latency_batch))
     by_batch = latency_sweep(llm, [(b, latency_prompt) for b in latency_batches], max_tokens,
@@ -296,10 +339,10 @@ def record_engine(model, *, latency_batches: Sequence[int] = (1, 4, 16, 64),
     by_prompt = latency_sweep(llm, [(latency_batch, n) for n in latency_prompts], max_tokens,
                               seed=100, rounds=rounds)
     del llm
-    runs = interference_pair(model, num_running=num_running, running_tokens=running_tokens,
-                             long_prompt=long_prompt, chunk_budget=chunk_budget,
-                             arrive_after=arrive_after, kv_cache_memory=kv_cache_memory,
-                             rounds=rounds)
+    runs = interference_modes(model, modes=modes, num_running=num_running,
+                              running_tokens=running_tokens, long_prompt=long_prompt,
+                              chunk_budget=chunk_budget, arrive_after=arrive_after,
+                              kv_cache_memory=kv_cache_memory, rounds=rounds)
     return {"by_batch": by_batch.to_dict(orient="list"),
             "by_prompt": by_prompt.to_dict(orient="list"),
             "interference": [r.to_dict() for r in runs]}

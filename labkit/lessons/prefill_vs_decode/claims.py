@@ -19,6 +19,7 @@ from labkit.lessons.prefill_vs_decode.chunked_claims import (  # noqa: F401
     SAME_WORK,
     chunk_host_claim,
     interference_claims,
+    piecewise_chunk_claims,
 )
 from labkit.lessons.prefill_vs_decode.where import on as _on
 from labkit.measure.rounds import Spread
