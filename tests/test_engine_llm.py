@@ -282,7 +282,7 @@ def test_to_device_gives_every_metadata_array_as_int32_in_one_buffer():
         for name in ("positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "logits_indices"):
             got = getattr(dev, name)
             assert got.dtype == torch.int32 and got.tolist() == getattr(md, name), name
-        assert dev.block_tables.tolist() == md.block_tables
+        assert dev.block_tables.tolist() == md.block_tables.tolist()
         assert dev.block_tables.shape == (len(step.rows), 8)
         ids = list(md.input_ids)
         for dst, src in zip(md.pending_dst, md.pending_src):

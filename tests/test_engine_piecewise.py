@@ -22,11 +22,14 @@ SMALL = (1, 2, 4, 8, 16, 32)  # capture sizes for CPU tests: every step below 33
 
 # --- the token buckets -------------------------------------------------------------------------
 def test_default_token_buckets_are_dense_where_steps_are_common():
-    b = default_token_buckets(2048)
-    assert b[:5] == (1, 2, 4, 8, 16) and b[-1] == 512
+    b = default_token_buckets(4096)
+    assert b[:5] == (1, 2, 4, 8, 16) and b[-1] == 2048, "the largest capture is 2048 tokens"
     steps = [y - x for x, y in zip(b, b[1:])]
     assert set(steps[3:b.index(256)]) == {8}, "every 8 tokens from 8 to 256"
-    assert set(steps[b.index(256):]) == {16}, "every 16 tokens above 256"
+    assert set(steps[b.index(256):b.index(512)]) == {16}, "every 16 tokens up to 512"
+    assert set(steps[b.index(512):b.index(1024)]) == {64}
+    assert set(steps[b.index(1024):]) == {128}
+    assert 576 in b, "a 512-token chunk beside 63 decodes pads by one token"
 
 
 @pytest.mark.parametrize("top", [1, 3, 5, 100, 300])
@@ -177,3 +180,15 @@ def test_gpu_every_cudagraph_mode_gives_the_same_tokens(hf_model):
     assert engines["piecewise"].num_piecewise_steps == engines["piecewise"].num_steps
     both = engines["full_and_piecewise"]
     assert both.num_graph_steps > 0 and both.num_piecewise_steps > 0, both
+
+
+@pytest.mark.gpu
+def test_gpu_graph_memory_is_predicted_before_capture_within_a_quarter(hf_model):
+    llm = LLM(hf_model[1], device="cuda", cudagraph_mode="full_and_piecewise",
+              max_num_batched_tokens=256, max_num_seqs=16)
+    rows = {m["graphs"]: m for m in llm.runner.graph_memory()}
+    assert set(rows) == {"full", "piecewise"}
+    for kind, m in rows.items():
+        assert m["count"] > 0 and m["capture_ms"] > 0 and m["measured_bytes"] > 0, m
+        err = abs(m["predicted_bytes"] - m["measured_bytes"]) / m["measured_bytes"]
+        assert err <= 0.25, (kind, m)

@@ -242,7 +242,7 @@ def test_metadata_agrees_with_the_block_tables():
         t = 0
         for i, row in enumerate(step.rows):
             table = bm.block_table(row.request_id)
-            assert md.block_tables[i][:len(table)] == table and len(md.block_tables[i]) == 16
+            assert md.block_tables[i][:len(table)].tolist() == table and len(md.block_tables[i]) == 16
             assert md.cu_seqlens_q[i + 1] - md.cu_seqlens_q[i] == row.num_tokens
             assert md.seq_lens[i] == row.start + row.num_tokens
             for p in row.positions:

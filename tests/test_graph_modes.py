@@ -66,3 +66,35 @@ def test_where_the_forward_is_cut():
     assert table.iloc[0, 1].startswith("embed") and table.iloc[-1, 1].endswith("final norm")
     assert isinstance(gm.compact(gm.ModeExperiment(pd.DataFrame(columns=gm.COLUMNS),
                                                    pd.DataFrame(), "cpu")), pd.DataFrame)
+
+
+def _claim(made, starts):
+    return next(c for c in made if c.text.startswith(starts))
+
+
+def test_first_tokens_are_compared_with_eager_against_itself(modes, fresh_claims):
+    assert modes.baseline_first_tokens == 1.0 and modes.num_requests == 4
+    ran = modes.table[modes.table.status == "ran"]
+    assert ran.same_first_tokens.between(0, 1).all()
+    held = _claim(gm.mode_claims(modes), "Every mode repeated")
+    assert held.held and "4 requests" in held.text
+    t = modes.table.copy()
+    t.loc[t.cudagraph_mode == "piecewise", "same_first_tokens"] = 0.5  # two of four differ
+    worse = gm.ModeExperiment(t, modes.rounds, modes.device, 1.0, 4)
+    assert not _claim(gm.mode_claims(worse), "Every mode repeated").held
+    t.loc[t.cudagraph_mode == "piecewise", "same_first_tokens"] = 0.75  # one: within the slack
+    assert _claim(gm.mode_claims(gm.ModeExperiment(t, modes.rounds, modes.device, 1.0, 4)),
+                  "Every mode repeated").held
+
+
+def test_on_a_gpu_graph_memory_is_predicted_before_capture(modes, fresh_claims):
+    pw = modes.row("piecewise", False)
+    assert pw.graph_MiB > 0 and pw.graph_MiB_predicted == pw.graph_MiB, (
+        "on CPU the stand-in holds only the static buffers, predicted exactly")
+    gpu = gm.ModeExperiment(modes.table, modes.rounds, "cuda:0", 1.0, 4)
+    assert _claim(gm.mode_claims(gpu), "Each mode's graph memory").held
+    t = modes.table.copy()
+    t.loc[t.cudagraph_mode == "piecewise", "graph_MiB_predicted"] = pw.graph_MiB * 1.5
+    made = gm.mode_claims(gm.ModeExperiment(t, modes.rounds, "cuda:0", 1.0, 4))
+    assert not _claim(made, "Each mode's graph memory").held
+    assert "within 50%" in _claim(made, "Each mode's graph memory").text

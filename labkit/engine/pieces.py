@@ -95,10 +95,16 @@ class PiecewiseForward:
             self.positions[n:bucket].zero_()
             self.slots[n:bucket].fill_(-1)
 
-    def attend(self, layer: int, n: int, attention: AttentionFn) -> None:
-        """Layer ``layer``'s attention on the ``n`` real tokens, into ``attn``: ``attention``
-        fills the ``out=`` it is given (the runner's does; labkit's kernel writes there, with no
-        copy)."""
+    def attention_views(self, n: int):
+        """(q, k, v, out) of the first ``n`` rows, as every layer's attention reads and writes
+        them: the same buffers in every layer, so a step makes these views once."""
         c = self.model.config
         q, k, v = split_heads(self.qkv[:n], c.num_attention_heads, c.num_key_value_heads)
-        attention(layer, q, k, v, out=self.attn[:n].view(q.shape))
+        return q, k, v, self.attn[:n].view(q.shape)
+
+    def attend(self, layer: int, n: int, attention: AttentionFn, views=None) -> None:
+        """Layer ``layer``'s attention on the ``n`` real tokens, into ``attn``: ``attention``
+        fills the ``out=`` it is given (the runner's does; labkit's kernel writes there, with no
+        copy). ``views``: this step's ``attention_views(n)``, made once for every layer."""
+        q, k, v, out = views or self.attention_views(n)
+        attention(layer, q, k, v, out=out)

@@ -169,6 +169,9 @@ class ModelRunner:
         self.backend, self.selection_log = self._choose_backend(backend, block_size)
         self.use_graphs = self.cudagraph_mode.startswith("full")
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
+        # (K cache, V cache, K scale, V scale) of each layer: views made once, not per launch
+        self._layer_caches = [(self.cache.key_cache(i), self.cache.value_cache(i),
+                               *self.cache.scales(i)) for i in range(c.num_hidden_layers)]
         # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
         # only where the Triton backend is asked for (the whole Triton path, end to end).
         self.store_kernel = self.device.type == "cuda" or self.backend.name == "triton"
@@ -267,11 +270,11 @@ class ModelRunner:
         """One int32 buffer, one host-to-device copy on the copy stream; the compute stream
         waits on its event (the host does not). Input tokens still PENDING on the host are
         taken from ``prev_tokens``, the previous step's samples on the device."""
-        width = len(md.block_tables[0]) if md.block_tables else 0
+        width = md.block_tables.shape[1]
         parts = (md.input_ids, md.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
                  md.block_tables, md.logits_indices, md.pending_dst, md.pending_src)
         sizes = [len(p) for p in parts]
-        sizes[5] = len(md.block_tables) * width
+        sizes[5] = md.block_tables.size
         # numpy converts a list of ints in C: a mixed step's padded block tables alone are
         # tens of thousands of them, which torch.tensor(list) takes a millisecond for.
         flat = torch.from_numpy(np.concatenate(
@@ -301,14 +304,15 @@ class ModelRunner:
         if self.backend.name == "triton":
             from labkit.kernels.paged_attention import plan_paged_attention
             plan = plan_paged_attention(
-                cache.k_scale is not None, self.model.config.num_attention_heads, cache.key_cache(0).shape,
-                md.seq_lens.numel(), md.block_tables.shape[1] * cache.block_size,
-                max_query_len, self.device)
+                cache.k_scale is not None, self.model.config.num_attention_heads,
+                cache.key_cache(0).shape, md.seq_lens.numel(),
+                md.block_tables.shape[1] * cache.block_size, max_query_len, self.device)
+            layers, tables, cu, lens = self._layer_caches, md.block_tables, md.cu_seqlens_q, \
+                md.seq_lens
 
             def run(q, layer, out):
-                return plan.run(q, cache.key_cache(layer), cache.value_cache(layer),
-                                md.block_tables, md.cu_seqlens_q, md.seq_lens,
-                                *cache.scales(layer), out=out)
+                k, v, k_scale, v_scale = layers[layer]
+                return plan.run(q, k, v, tables, cu, lens, k_scale, v_scale, out=out)
             return run
         paged = self.backend.paged
 
@@ -356,7 +360,9 @@ class ModelRunner:
                 (bucket := self.piecewise.bucket_for(tokens)) is not None:
             self.pieces.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
             attention = self._attention(dev, md.max_seqlen_q, store=self.pieces.cache is None)
-            self.piecewise.run(tokens, lambda layer: self.pieces.attend(layer, tokens, attention))
+            views = self.pieces.attention_views(tokens)
+            self.piecewise.run(tokens, lambda layer: self.pieces.attend(layer, tokens, attention,
+                                                                        views))
             hidden = self.pieces.hidden[:tokens]
             return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]),
                               None, bucket)
@@ -375,6 +381,25 @@ class ModelRunner:
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs
+    def graph_memory(self) -> list[dict]:
+        """Per kind of graph this runner captured ("full" decode graphs, "piecewise"): the
+        graph count, capture ms, and device memory predicted before capture against what the
+        capture took (pool and static buffers, bytes; the prediction None where not made)."""
+        rows = []
+        if self.graphs is not None:
+            st = self.graphs.stats
+            rows.append({"graphs": "full", "count": len(self.graphs.keys()),
+                         "capture_ms": st.capture_ms, "predicted_bytes": st.predicted_bytes,
+                         "measured_bytes": st.captured_bytes})
+        if self.piecewise is not None:
+            st, static = self.piecewise.stats, self.pieces.static_bytes
+            rows.append({"graphs": "piecewise", "count": st.num_graphs,
+                         "capture_ms": st.capture_ms,
+                         "predicted_bytes": None if st.predicted_bytes is None
+                         else st.predicted_bytes + static,
+                         "measured_bytes": st.pool_bytes + static})
+        return rows
+
     def decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
                        context_bucket: int | None = None):
         """One decode token per row: [B] x 3, [B, max_blocks], [B] -> logits [B, vocab].
@@ -408,10 +433,12 @@ class ModelRunner:
                                        cache=self.cache if self.device.type == "cuda" else None)
         self.piecewise = PiecewiseGraphs(self.pieces.pieces(), buckets,
                                          cuda=cuda_for(self.device))
+        predicted = self.piecewise.predict_memory()
         stats = self.piecewise.capture()
         log.info(f"captured {stats.num_graphs} piecewise graphs ({stats.num_pieces} pieces x "
                  f"{len(stats.buckets)} token buckets up to {max(buckets)}) in "
-                 f"{stats.capture_ms:.0f} ms")
+                 f"{stats.capture_ms:.0f} ms; pool {stats.pool_bytes / 2**20:.1f} MiB "
+                 f"(predicted {predicted / 2**20:.1f}) + static {self.pieces.static_bytes / 2**20:.1f} MiB")
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
@@ -421,7 +448,10 @@ class ModelRunner:
         table = torch.full((1, self.max_blocks_per_seq), PAD, dtype=torch.int32,
                            device=self.device)
         # All-padding example rows: warm-up and capture write no slot of the cache.
-        self.graphs.capture(row, row.clone(), row.clone(), table, row.clone())
+        example = (row, row.clone(), row.clone(), table, row.clone())
+        if self.device.type == "cuda":
+            self.graphs.predict_memory(*example)
+        self.graphs.capture(*example)
         log.info(f"captured {len(self.graphs.keys())} decode graphs (batch buckets "
                  f"{list(self.decode_buckets)}, context buckets "
                  f"{self.decode_context_buckets or 'none'}) in "

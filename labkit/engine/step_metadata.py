@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from labkit.engine.request import ScheduledStep
 from labkit.kvcache.block_manager import BlockManager
 
@@ -23,7 +25,7 @@ class StepMetadata:
     slot_mapping: list[int]         # [num_tokens]
     cu_seqlens_q: list[int]         # [num_rows + 1]
     seq_lens: list[int]             # [num_rows]
-    block_tables: list[list[int]]   # [num_rows, max_blocks], padded with pad_block
+    block_tables: np.ndarray        # int32 [num_rows, max_blocks], padded with pad_block
     logits_indices: list[int]       # [num_sampled] token index whose logits are sampled
     max_seqlen_q: int
     max_seqlen_k: int
@@ -68,7 +70,12 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
             raise ValueError(f"a row holds {width} blocks, more than max_blocks_per_seq="
                              f"{max_blocks_per_seq}; size it for max_model_len / block_size")
         width = max_blocks_per_seq
-    tables = [t + [pad_block] * (width - len(t)) for t in tables]
+    # An array filled row by row: a long prompt's table sets the width of every row, and
+    # padding Python lists to it (then converting them) cost milliseconds a mixed step.
+    padded = np.full((len(tables), width), pad_block, dtype=np.int32)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    tables = padded
     return StepMetadata(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables,
                         logits_indices, max((r.num_tokens for r in step.rows), default=0),
                         max(seq_lens, default=0), pending_dst, pending_src)

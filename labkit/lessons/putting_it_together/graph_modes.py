@@ -29,7 +29,8 @@ from labkit.teaching import claim
 COLUMNS = ["cudagraph_mode", "async_scheduling", "status", "reason", "graphs", "capture_ms",
            "steady_s", "steady_low_s", "steady_high_s", "output_tok_s", "mixed_step_ms",
            "steps", "full_steps", "piecewise_steps", "eager_steps", "mixed_steps",
-           "mixed_replayed", "padded_tokens", "same_tokens"]
+           "mixed_replayed", "padded_tokens", "same_tokens", "same_first_tokens",
+           "graph_MiB_predicted", "graph_MiB"]
 
 
 @dataclass
@@ -37,6 +38,11 @@ class ModeExperiment:
     table: pd.DataFrame              # one row per (cudagraph_mode, async_scheduling), COLUMNS
     rounds: pd.DataFrame             # one row per row and round: seconds, mixed_step_ms
     device: str
+    # The share of requests whose first token the eager engine repeats when the same requests
+    # arrive in the reverse order (other batches, other reduction orders): what the modes'
+    # same_first_tokens is compared with. None: no eager, synchronous row ran.
+    baseline_first_tokens: float | None = None
+    num_requests: int = 0
 
     def row(self, mode: str, async_scheduling: bool):
         t = self.table
@@ -95,7 +101,12 @@ def run_modes(model: LlamaModel, workload: Workload, *, modes=CUDAGRAPH_MODES,
             (runner.piecewise.stats.num_graphs if runner.piecewise else 0)
         capture = (runner.graphs.stats.capture_ms if runner.graphs else 0.0) + \
             (runner.piecewise.stats.capture_ms if runner.piecewise else 0.0)
-        rows[cell] = row | {"status": "ran", "graphs": graphs, "capture_ms": capture}
+        memory = runner.graph_memory()
+        predicted = [m["predicted_bytes"] for m in memory]
+        rows[cell] = row | {"status": "ran", "graphs": graphs, "capture_ms": capture,
+                            "graph_MiB": sum(m["measured_bytes"] for m in memory) / 2**20,
+                            "graph_MiB_predicted": float("nan") if None in predicted
+                            else sum(predicted) / 2**20}
         timed_generate(llm, prompts, params)  # warm: first-call compiles and allocations
         engines[cell] = llm
     rng, per, tokens = random.Random(seed), {c: [] for c in engines}, {}
@@ -106,6 +117,10 @@ def run_modes(model: LlamaModel, workload: Workload, *, modes=CUDAGRAPH_MODES,
                               "async_scheduling": cell[1], **_run_figures(run)})
             tokens.setdefault(cell, [o.token_ids for o in run.outputs])
     base = tokens.get(("none", False), next(iter(tokens.values()), None))
+    baseline = None
+    if ("none", False) in engines:  # eager against itself, the requests in the reverse order
+        again = timed_generate(engines["none", False], prompts[::-1], params[::-1])
+        baseline = _same_first(base, [o.token_ids for o in again.outputs][::-1])
     for cell, runs in per.items():
         seconds = [x["seconds"] for x in runs]
         last = runs[-1]
@@ -116,7 +131,7 @@ def run_modes(model: LlamaModel, workload: Workload, *, modes=CUDAGRAPH_MODES,
             mixed_step_ms=statistics.median(x["mixed_step_ms"] for x in runs),
             **{k: last[k] for k in ("steps", "full_steps", "piecewise_steps", "eager_steps",
                                      "mixed_steps", "mixed_replayed", "padded_tokens")},
-            same_tokens=tokens[cell] == base)
+            same_tokens=tokens[cell] == base, same_first_tokens=_same_first(base, tokens[cell]))
     engines.clear()
     if dev.type == "cuda":
         free_memory(dev)
@@ -125,7 +140,12 @@ def run_modes(model: LlamaModel, workload: Workload, *, modes=CUDAGRAPH_MODES,
                                                "piecewise_steps", "eager_steps", "mixed_steps",
                                                "mixed_replayed", "padded_tokens")})
     return ModeExperiment(table, pd.DataFrame([x for runs in per.values() for x in runs]),
-                          str(dev))
+                          str(dev), baseline, len(prompts))
+
+
+def _same_first(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of requests whose first generated token is the same in ``a`` and ``b``."""
+    return sum(x[:1] == y[:1] for x, y in zip(a, b)) / max(len(a), 1)
 
 
 def pieces_table(model: LlamaModel) -> pd.DataFrame:
@@ -163,6 +183,26 @@ def mode_claims(exp: ModeExperiment) -> list:
             replayed=int(pw.mixed_replayed), mixed=int(pw.mixed_steps),
             full="" if full is None or full.status != "ran" else
             f"; with 'full_decode_only', {int(full.mixed_replayed)} did"))
+    if exp.baseline_first_tokens is not None and len(ran):
+        worst = float(ran.same_first_tokens.min())
+        slack = 1 / max(exp.num_requests, 1)
+        made.append(claim(
+            "Every mode repeated the eager engine's first token for at least {worst:.0%} of the "
+            "{n} requests; eager itself, given the same requests in the reverse order (other "
+            "batches, other reduction orders), repeats {base:.0%}: no mode differs from eager "
+            "by more than eager differs from itself, give or take one request.",
+            worst >= exp.baseline_first_tokens - slack - 1e-9, worst=worst,
+            n=exp.num_requests, base=exp.baseline_first_tokens))
+    captured = ran[pd.to_numeric(ran.graph_MiB, errors="coerce") > 0]
+    if exp.device.startswith("cuda") and len(captured):
+        err = ((captured.graph_MiB_predicted - captured.graph_MiB).abs() / captured.graph_MiB)
+        rows = ", ".join(f"{m}: {p:.0f} predicted, {g:.0f} taken" for m, p, g in zip(
+            captured.cudagraph_mode, captured.graph_MiB_predicted, captured.graph_MiB))
+        made.append(claim(
+            "Each mode's graph memory, predicted before capture from one eager run of its "
+            "largest graph inside a private pool, came within {worst:.0%} of what capture took "
+            "(MiB, async off and on: {rows}).", bool(err.notna().all() and err.max() <= 0.25),
+            worst=float(err.max()), rows=rows))
     eager_mixed = exp.spread("none", False, "mixed_step_ms")
     pw_mixed = exp.spread("piecewise", False, "mixed_step_ms")
     if exp.device.startswith("cuda") and eager_mixed and pw_mixed:
@@ -184,7 +224,10 @@ def compact(exp: ModeExperiment) -> pd.DataFrame:
         "" if pd.isna(m) else f"{m:.3f} ({a:.3f}-{b:.3f})"
         for m, a, b in zip(t.steady_s, t.steady_low_s, t.steady_high_s)]
     out["output_tok_s"] = pd.to_numeric(t.output_tok_s, errors="coerce").round(0)
+    for col in ("graph_MiB_predicted", "graph_MiB"):
+        out[col] = pd.to_numeric(t[col], errors="coerce").round(1)
     for col in ("full_steps", "piecewise_steps", "eager_steps", "mixed_steps",
-                "mixed_replayed", "padded_tokens", "same_tokens", "reason"):
+                "mixed_replayed", "padded_tokens", "same_tokens", "same_first_tokens",
+                "reason"):
         out[col] = t[col]
     return out
