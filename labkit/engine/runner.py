@@ -12,24 +12,10 @@ For each step it
    cache: so a row reads its cached context and its own new tokens alike;
 4. returns the logits of the rows that sample (``logits_indices``), nothing else.
 
-``cudagraph_mode`` says which steps replay graphs (``CUDAGRAPH_MODES``):
-
-* ``"full_decode_only"``: decode-only steps replay a full CUDA Graph of the whole forward from a
-  :class:`~labkit.graphs.GraphPool`, padded to their batch bucket: every row there is one token,
-  so the shapes depend only on the batch. Padding rows carry -1 everywhere: slot -1 is never
-  written (``store_kv``), and their outputs are dropped. Every other step runs eagerly.
-* ``"piecewise"``: every step of at most the largest token bucket replays piecewise graphs
-  (``labkit.engine.pieces``): the work between attentions captured per token count (on a GPU
-  the K/V store too), attention run eagerly between the pieces with the step's real metadata,
-  planned once for the step, so any mix of prefill chunks and decodes replays. Attention is
-  never captured, so any backend serves.
-* ``"full_and_piecewise"``: full graphs for decode-only steps, piecewise for the rest: the
-  default on CUDA, as vLLM V1's.
-* ``"none"``: every step eager (``enforce_eager=True``).
-
-On CPU the default is ``"none"``; ``"piecewise"`` captures with labkit's CPU stand-in
-(``labkit.graphs.emulated_cuda``): no faster, but frozen the same way, so a piece that read a
-value back to the host or a buffer it does not own fails on a laptop as on a GPU.
+``cudagraph_mode`` says which steps replay CUDA Graphs (``labkit.engine.cudagraphs``: the four
+modes, and capturing the graphs): decode-only steps replay full graphs per batch bucket, other
+steps piecewise graphs per token bucket with attention eager between them, or every step runs
+eagerly.
 """
 from __future__ import annotations
 
@@ -44,48 +30,25 @@ import torch.nn.functional as F
 from labkit import check_positive_int, check_power_of_two
 from labkit.attention import (BACKENDS, AttentionSpec, Backend, BackendUnavailable,
                               select_backend, selection_lines)
+from labkit.engine.cudagraphs import (  # noqa: F401  (the runner's names for them)
+    CUDAGRAPH_MODES,
+    DEFAULT_CUDA_GRAPH_MODE,
+    PAD,
+    capture_decode_graphs,
+    capture_piecewise_graphs,
+    graph_memory,
+    resolve_cudagraph_mode,
+)
 from labkit.engine.model import LlamaModel
+from labkit.engine.pieces import PiecewiseForward
 from labkit.engine.request import ScheduledStep
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
-from labkit.engine.pieces import PiecewiseForward
 from labkit.graphs import DEFAULT_BUCKETS, GraphPool
 from labkit.graphs.buckets import check_buckets
-from labkit.graphs.emulated_cuda import cuda_for
 from labkit.graphs.piecewise import PiecewiseGraphs, default_token_buckets
 from labkit.kvcache import BlockManager, KVCacheShape, PagedKVCache, tokens_that_fit
 
 log = logging.getLogger("labkit.engine")
-
-PAD = -1  # graph padding rows: slot -1 is skipped by store_kv; ids and lengths are clamped to 0
-
-CUDAGRAPH_MODES = ("none", "full_decode_only", "piecewise", "full_and_piecewise")
-# The default on CUDA, as vLLM V1's: full graphs for uniform decode, piecewise for the rest.
-DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"
-
-
-def resolve_cudagraph_mode(cudagraph_mode: str | None, enforce_eager: bool,
-                           device: torch.device) -> str:
-    """The mode a runner on ``device`` uses: ``cudagraph_mode``, or the device's default
-    (``DEFAULT_CUDA_GRAPH_MODE`` on CUDA, ``"none"`` elsewhere); ``enforce_eager`` means
-    ``"none"``."""
-    if cudagraph_mode is not None and cudagraph_mode not in CUDAGRAPH_MODES:
-        raise ValueError(f"cudagraph_mode must be one of {list(CUDAGRAPH_MODES)} or None (the "
-                         f"device's default), got {cudagraph_mode!r}")
-    if enforce_eager:
-        if cudagraph_mode not in (None, "none"):
-            raise ValueError(f"enforce_eager=True means cudagraph_mode='none'; got "
-                             f"cudagraph_mode={cudagraph_mode!r} too: pass one of them")
-        return "none"
-    if cudagraph_mode is None:
-        return DEFAULT_CUDA_GRAPH_MODE if device.type == "cuda" else "none"
-    if cudagraph_mode.startswith("full") and device.type != "cuda":
-        raise ValueError(f"cudagraph_mode={cudagraph_mode!r} captures whole decode steps, "
-                         f"attention included, which needs a CUDA device (labkit's CPU stand-in "
-                         f"records torch ops, and on {device.type} the capturable attention "
-                         "kernels run in Triton's interpreter): on CPU use 'piecewise' or "
-                         "'none'")
-    return cudagraph_mode
-
 
 def choose_backend(spec: AttentionSpec, backend: str = "auto") -> tuple[Backend, list[str]]:
     """The attention backend for ``spec`` and the log of the choice (chosen, then passed over),
@@ -196,12 +159,15 @@ class ModelRunner:
                 {b for b in given if b < self.max_model_len} | {self.max_model_len}))
         if self.use_graphs:
             self.decode_buckets = buckets
-            self._capture_decode_graphs()
+            self.graphs = capture_decode_graphs(
+                self.decode_forward, buckets, self.decode_context_buckets,
+                self.max_blocks_per_seq, self.device)
         self.pieces: PiecewiseForward | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.cudagraph_mode.endswith("piecewise"):
-            self._capture_piecewise_graphs(token_buckets or default_token_buckets(
-                max_num_batched_tokens))
+            self.pieces, self.piecewise = capture_piecewise_graphs(
+                self.model, self.fused_ops, token_buckets or default_token_buckets(
+                    max_num_batched_tokens), self.cache)
 
     def _choose_backend(self, backend: str, block_size: int):
         """Full graphs capture attention, so they need a backend that can be captured;
@@ -382,23 +348,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA Graphs
     def graph_memory(self) -> list[dict]:
-        """Per kind of graph this runner captured ("full" decode graphs, "piecewise"): the
-        graph count, capture ms, and device memory predicted before capture against what the
-        capture took (pool and static buffers, bytes; the prediction None where not made)."""
-        rows = []
-        if self.graphs is not None:
-            st = self.graphs.stats
-            rows.append({"graphs": "full", "count": len(self.graphs.keys()),
-                         "capture_ms": st.capture_ms, "predicted_bytes": st.predicted_bytes,
-                         "measured_bytes": st.captured_bytes})
-        if self.piecewise is not None:
-            st, static = self.piecewise.stats, self.pieces.static_bytes
-            rows.append({"graphs": "piecewise", "count": st.num_graphs,
-                         "capture_ms": st.capture_ms,
-                         "predicted_bytes": None if st.predicted_bytes is None
-                         else st.predicted_bytes + static,
-                         "measured_bytes": st.pool_bytes + static})
-        return rows
+        """``cudagraphs.graph_memory`` of this runner's graphs."""
+        return graph_memory(self.graphs, self.piecewise, self.pieces)
 
     def decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
                        context_bucket: int | None = None):
@@ -418,41 +369,3 @@ class ModelRunner:
         hidden = self.model.hidden_states(md.input_ids, md.positions, self._attention(md, 1),
                                           fused_ops=self.fused_ops)
         return self.model.compute_logits(hidden)
-
-    @torch.inference_mode()
-    def _capture_piecewise_graphs(self, buckets) -> None:
-        ops = self.model.ops(self.fused_ops)
-        if self.device.type != "cuda" and self.fused_ops:
-            raise ValueError("on CPU, piecewise graphs are captured by labkit's stand-in, which "
-                             "records torch ops and cannot see the fused Triton kernels: pass "
-                             "fused_ops=False with cudagraph_mode='piecewise'")
-        # On a GPU each piece stores its layer's new K/V itself (a kernel per token, padding
-        # slots -1 skipped), so only attention runs between the graphs. On CPU the stand-in
-        # cannot record the store kernel: attention stores them.
-        self.pieces = PiecewiseForward(self.model, ops, max(buckets),
-                                       cache=self.cache if self.device.type == "cuda" else None)
-        self.piecewise = PiecewiseGraphs(self.pieces.pieces(), buckets,
-                                         cuda=cuda_for(self.device))
-        predicted = self.piecewise.predict_memory()
-        stats = self.piecewise.capture()
-        log.info(f"captured {stats.num_graphs} piecewise graphs ({stats.num_pieces} pieces x "
-                 f"{len(stats.buckets)} token buckets up to {max(buckets)}) in "
-                 f"{stats.capture_ms:.0f} ms; pool {stats.pool_bytes / 2**20:.1f} MiB "
-                 f"(predicted {predicted / 2**20:.1f}) + static {self.pieces.static_bytes / 2**20:.1f} MiB")
-
-    @torch.inference_mode()
-    def _capture_decode_graphs(self) -> None:
-        self.graphs = GraphPool(self.decode_forward, self.decode_buckets, pad_value=PAD,
-                                context_buckets=self.decode_context_buckets)
-        row = torch.full((1,), PAD, dtype=torch.int32, device=self.device)
-        table = torch.full((1, self.max_blocks_per_seq), PAD, dtype=torch.int32,
-                           device=self.device)
-        # All-padding example rows: warm-up and capture write no slot of the cache.
-        example = (row, row.clone(), row.clone(), table, row.clone())
-        if self.device.type == "cuda":
-            self.graphs.predict_memory(*example)
-        self.graphs.capture(*example)
-        log.info(f"captured {len(self.graphs.keys())} decode graphs (batch buckets "
-                 f"{list(self.decode_buckets)}, context buckets "
-                 f"{self.decode_context_buckets or 'none'}) in "
-                 f"{self.graphs.stats.capture_ms:.0f} ms")
