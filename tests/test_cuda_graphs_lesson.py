@@ -334,3 +334,31 @@ def test_the_raw_capture_claim_holds_on_the_new_batch_and_fails_on_a_stale_repla
     assert not gc.raw_capture_claim(at_capture.clone(), eager, at_capture, "cpu").held, \
         "a graph that still computed on the captured batch"
     assert not gc.raw_capture_claim(eager + 0.5, eager, at_capture, "cpu").held
+
+
+
+# ----------------------------------------------------------------- the engine's context keys
+def _context_run(batch, plain_us, keyed_us, contexts=(512, 32768)):
+    """A context_key_rounds result: per context, three rounds of step us for each runner."""
+    return {"batch": batch, "contexts": list(contexts), "context_buckets": [512, 2048, 8192],
+            "rounds": 3,
+            "by_batch": {"keys": 1, "capture_ms": 24.0, "graph_MiB": 2.1,
+                         "us": {str(c): list(u) for c, u in zip(contexts, plain_us)}},
+            "by_batch_and_context": {"keys": 4, "capture_ms": 87.0, "graph_MiB": 4.2,
+                                     "us": {str(c): list(u) for c, u in zip(contexts, keyed_us)}}}
+
+
+def test_engine_context_claims_hold_when_the_keys_lose_nothing_at_long_context():
+    from labkit.lessons.cuda_graphs.engine_context import engine_context_claims, keyed_gain
+    wins = _context_run(8, [[1250, 1251, 1253], [3380, 3381, 3383]],
+                        [[1153, 1157, 1155], [3379, 3377, 3380]])
+    flat = _context_run(64, [[1424, 1422, 1426], [3439, 3454, 3435]],
+                        [[1423, 1427, 1420], [3435, 3436, 3441]], contexts=(512, 4096))
+    assert f"{keyed_gain(wins, 512):.3fx}".startswith("1.08")
+    made = engine_context_claims([wins, flat], device="cpu")
+    assert [c.held for c in made] == [True, True]
+    assert "win at short context without losing at long" in made[0].text
+    assert "win nothing measurable" in made[1].text
+    assert "each of the 3 extra keys costs 21 ms of capture and 0.7 MiB" in made[0].text
+    slower = _context_run(8, [[1250] * 3, [3380, 3381, 3383]], [[1153] * 3, [3380, 3600, 3380]])
+    assert not engine_context_claims([slower], device="cpu")[0].held, "a long-context loss"

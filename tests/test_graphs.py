@@ -199,6 +199,19 @@ def test_buckets_are_captured_largest_first_into_one_pool_and_memory_is_predicte
 
 
 @gpu
+def test_the_prediction_counts_the_outputs_every_graph_keeps():
+    # a logits-like output, wide against its input: each bucket's graph keeps its own
+    w = torch.randn(64, 32768, device="cuda")
+    pool = GraphPool(lambda x: x @ w, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+    x = torch.randn(4, 64, device="cuda")
+    predicted = pool.predict_memory(x)
+    pool.capture(x)
+    actual = pool.stats.captured_bytes
+    assert abs(predicted - actual) <= 0.25 * actual, (
+        f"predicted {predicted / 2**20:.1f} MiB, captured {actual / 2**20:.1f} MiB")
+
+
+@gpu
 def test_a_collection_during_capture_cannot_free_an_old_graph_into_it():
     """An old graph kept alive only by a reference cycle: with the collector at its most eager,
     capturing a new graph that allocates Python objects would free the old one mid-capture."""

@@ -269,7 +269,8 @@ class GraphPool:
         Graphs captured largest first into one shared pool reuse its blocks, so the pool needs
         about the segments the largest bucket's eager call takes (measured by running it once
         inside a private memory pool, so the allocator's rounding is the same), plus the static
-        input buffers.
+        input buffers, plus the outputs of every other key, which each graph keeps for its
+        replays (rows in proportion to its batch bucket).
         """
         if not self.enabled:
             return 0
@@ -286,6 +287,7 @@ class GraphPool:
             with torch.cuda.use_mem_pool(probe):
                 out = self._call_fn(args, ctx)
                 torch.cuda.synchronize()
+            out_bytes = sum(o.numel() * o.element_size() for o in _as_tuple(out))
             del out
             pool_id = tuple(probe.id)
             workspace = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
@@ -294,9 +296,13 @@ class GraphPool:
         else:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            self._call_fn(args, ctx)
+            out = self._call_fn(args, ctx)
             torch.cuda.synchronize()
+            out_bytes = sum(o.numel() * o.element_size() for o in _as_tuple(out))
+            del out
             segment = 2 * 2**20
             workspace = -(-(torch.cuda.max_memory_allocated() - base) // segment) * segment
-        self.stats.predicted_bytes = workspace + static
+        # the other keys' outputs stay allocated: their rows scale with the batch bucket
+        others = sum(key[0] for key in self.keys()) - largest
+        self.stats.predicted_bytes = workspace + static + out_bytes * others // largest
         return self.stats.predicted_bytes

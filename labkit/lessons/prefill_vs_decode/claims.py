@@ -145,7 +145,7 @@ def graph_claims(points: pd.DataFrame, *, device: str | None = None, recorded=No
 
 
 def bound_claims(overhead: pd.DataFrame, *, device: str | None = None, recorded=None,
-                 slack: float = 0.8) -> list:
+                 slack: float = 0.5) -> list:
     """What bounds an eager step (``bounds.overhead_table``). With GPU time (replays): no eager
     step beats max(issue floor, GPU time) by more than ``1 - slack`` of it, and the floor is
     the larger term for the small steps. Without (a CPU): the floor is part of every step
@@ -155,10 +155,11 @@ def bound_claims(overhead: pd.DataFrame, *, device: str | None = None, recorded=
         host = overhead[overhead.bound == "host"]
         ratio = overhead.ms / overhead.model_ms
         return [claim(
-            "Launches are asynchronous, so an eager step{where} takes at least max(host issue "
+            "Launches are asynchronous, so an eager step{where} takes about max(host issue "
             "floor, GPU time), not their sum: eager / that bound is {lo:.2f}-{hi:.2f} over the "
-            "{n} shapes (none below {slack}); the host's floor is the larger term for {hosts} "
-            "({k} of {n}).", bool((ratio >= slack).all() and len(host) >= 1), where=where,
+            "{n} shapes (none below {slack}: the floor is a program of its own, timed in the "
+            "same rounds, and carries the host's noise); the host's floor is the larger term "
+            "for {hosts} ({k} of {n}).", bool((ratio >= slack).all() and len(host) >= 1), where=where,
             lo=float(ratio.min()), hi=float(ratio.max()), n=len(overhead), slack=slack,
             hosts=", ".join(host["shape"]) or "none", k=len(host), recorded=recorded)]
     dec = overhead[overhead.kind == "decode"].sort_values("flops_per_byte")
