@@ -17,8 +17,6 @@ from labkit.tools import student
 from labkit.teaching.check import check, compare_tensor
 from labkit.device import interpreter_on
 from labkit.teaching.exercises.bounds import bounds_checked
-from labkit.teaching.hints import hints, seen
-from labkit.teaching.predict import PREDICTIONS, predict, reveal
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = exercises.all_exercises()
@@ -357,34 +355,6 @@ def test_the_command_line_writes_both_copies(tmp_path, capsys):
     assert (tmp_path / "i" / nb).read_bytes() == (ROOT / nb).read_bytes()
     assert "raise NotImplementedError" in (tmp_path / "s" / nb).read_text()
     assert "student (solutions -> stubs) copy" in capsys.readouterr().out
-
-
-# --- hints and predictions -------------------------------------------------------------------------
-@pytest.mark.parametrize("exercise_id", IDS)
-def test_every_exercise_has_hints_and_what_you_should_have_seen(exercise_id):
-    box = hints(exercise_id)
-    assert len(box.children) == len(EXERCISES[exercise_id].hints) >= 2
-    assert box.selected_index is None, "hints stay closed until the learner opens one"
-    assert seen(exercise_id).selected_index is None and len(EXERCISES[exercise_id].seen) > 80
-
-
-def test_reveal_without_a_prediction_says_so():
-    predict("t.none", question="How many?", unit="x")
-    shown = reveal("t.none", 4.0)
-    assert shown.predicted is None and "No prediction entered" in repr(shown)
-
-
-def test_reveal_sets_the_prediction_against_the_measurement():
-    predict("t.two", question="How many?", unit="x", value=2)
-    shown = reveal("t.two", 4.0)
-    assert shown.predicted == 2 and "2x higher than you predicted" in repr(shown)
-    PREDICTIONS["t.two"].box.value = "about 5 x"
-    assert reveal("t.two", 5.0).predicted == 5 and "Within 10%" in reveal("t.two", 5.0).verdict()
-
-
-def test_reveal_before_predict_is_an_error_that_says_what_to_run():
-    with pytest.raises(KeyError, match="run the predict cell first"):
-        reveal("t.never", 1.0)
 
 
 # --- on a GPU: the same checks with real graphs, streams and compiled kernels ----------------------
