@@ -1,5 +1,7 @@
 """The block manager's contract: block counts, errors, prefix hits, eviction order, fork and CoW."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from labkit.kvcache import BlockManager, OutOfBlocks
 from labkit.kvcache.prefix_cache import block_hash
@@ -39,6 +41,18 @@ def test_slots_are_block_number_times_block_size_plus_offset():
     assert bm.slots("a", 3, 3) == [], "an empty range has no slots"
     with pytest.raises(ValueError, match="outside sequence"):
         bm.slots("a", 0, 7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4, 16]), st.integers(1, 70), st.integers(1, 9), st.data())
+def test_slots_of_any_range_follow_the_table_position_by_position(bs, n, other, data):
+    bm = BlockManager(64, bs)
+    bm.allocate("x", prompt(other, 500))  # another sequence first: the tables interleave
+    bm.allocate("a", prompt(n, 100))
+    start = data.draw(st.integers(0, n))
+    end = data.draw(st.integers(start, n))
+    table = bm.block_table("a")
+    assert bm.slots("a", start, end) == [table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 # ---------------------------------------------------------------- bad arguments

@@ -171,7 +171,13 @@ class BlockManager:
             raise ValueError(f"positions [{start}, {end}) are outside sequence {seq_id!r} "
                              f"of {seq.num_tokens} tokens")
         table, bs = seq.block_table, self.block_size
-        return [table[p // bs] * bs + (p & self._mask) for p in range(start, end)]
+        slots, p = [], start
+        while p < end:  # a block's positions are consecutive slots: one range per block
+            block, stop = p // bs, min(end, (p // bs + 1) * bs)
+            first = table[block] * bs + (p & self._mask)
+            slots.extend(range(first, first + stop - p))
+            p = stop
+        return slots
 
     def can_append(self, seq_id) -> bool:
         return self._blocks_to_append(self._get(seq_id)) <= self.num_free_blocks
