@@ -71,7 +71,7 @@ class LLM:
     request at full length; on a GPU at most half the free memory). A step computes at most
     ``max_num_batched_tokens`` tokens of at most ``max_num_seqs`` requests. ``backend``: "auto"
     or a name of ``labkit.attention.BACKENDS``. ``cudagraph_mode`` says which steps replay CUDA
-    Graphs (``labkit.engine.runner`` explains the four modes; None: "full_and_piecewise" on CUDA,
+    Graphs (``labkit.engine.cudagraphs`` explains the four modes; None: "full_and_piecewise" on CUDA,
     "none" elsewhere); ``enforce_eager=True`` is "none". ``cudagraph_capture_sizes``: the token
     counts piecewise graphs are captured for (default ``default_token_buckets``).
     ``decode_context_buckets``: key full decode graphs by (batch, context bucket) too, so each
@@ -85,7 +85,10 @@ class LLM:
     launched eagerly, a step is host launch time, which varies more than fusing saves, so the
     default asks for graphs. On CPU the kernels run in Triton's interpreter. A model built here
     is built with that choice; a LlamaModel given keeps its own for direct calls, and the
-    engine runs it with this one (``LLM.fused_ops``).
+    engine runs it with this one (``LLM.fused_ops``). ``compile=True`` runs the forward
+    compiled (``labkit.engine.compiled``: traced by Dynamo, split at attention, each piece
+    compiled by Inductor for a symbolic token count), the plain ops fused by Inductor; for now
+    with ``cudagraph_mode="none"`` only.
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,
@@ -98,7 +101,7 @@ class LLM:
                  seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None,
                  fused_ops: bool | None = None, cudagraph_mode: str | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
-                 decode_context_buckets: Sequence[int] | None = None):
+                 decode_context_buckets: Sequence[int] | None = None, compile: bool = False):
         # The engine's own arguments first, by the names given here: a bad one must not surface
         # later as a derived quantity (num_blocks) the caller never passed.
         check_positive_int("max_num_seqs", max_num_seqs, hint="running requests at once")
@@ -119,8 +122,8 @@ class LLM:
         if isinstance(model, LlamaModel):
             self.device = model.embed_tokens.device  # a LlamaModel given stays where it is
         mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
-        if fused_ops is None:
-            fused_ops = self.device.type == "cuda" and mode != "none"
+        if fused_ops is None:  # compiled, Inductor fuses the plain ops itself
+            fused_ops = self.device.type == "cuda" and mode != "none" and not compile
         fused_ops = bool(fused_ops)
         if isinstance(model, LlamaModel):
             self.model = model  # built already: the runner runs it with fused_ops
@@ -142,7 +145,7 @@ class LLM:
             token_buckets=None if cudagraph_capture_sizes is None else tuple(
                 cudagraph_capture_sizes), max_num_batched_tokens=max_num_batched_tokens,
             decode_context_buckets=None if decode_context_buckets is None else tuple(
-                decode_context_buckets))
+                decode_context_buckets), compile=bool(compile))
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
         self.async_scheduling = (self.device.type == "cuda" if async_scheduling is None

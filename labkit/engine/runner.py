@@ -110,7 +110,7 @@ class ModelRunner:
                  decode_buckets: tuple[int, ...] | None = None, fused_ops: bool | None = None,
                  cudagraph_mode: str | None = None, token_buckets: tuple[int, ...] | None = None,
                  max_num_batched_tokens: int = 2048,
-                 decode_context_buckets: tuple[int, ...] | None = None):
+                 decode_context_buckets: tuple[int, ...] | None = None, compile: bool = False):
         c = model.config
         self.model = model
         # The layer ops of every step and of every captured graph; None: the model's own choice.
@@ -129,6 +129,18 @@ class ModelRunner:
                            hint="16 is usual; the triton backend takes 16 to 256")
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
+        self.compiled = None
+        if compile:
+            if self.cudagraph_mode != "none":
+                raise ValueError(f"compile=True runs with cudagraph_mode='none' for now (the "
+                                 f"compiled pieces are not captured yet); got cudagraph_mode="
+                                 f"{self.cudagraph_mode!r}: pass cudagraph_mode='none' or "
+                                 "enforce_eager=True beside compile=True")
+            if self.fused_ops:
+                raise ValueError("compile=True compiles the layers' plain ops (Inductor fuses "
+                                 "them itself): pass fused_ops=False, or leave it None")
+            from labkit.engine.compiled import CompiledForward
+            self.compiled = CompiledForward(model)
         self.backend, self.selection_log = self._choose_backend(backend, block_size)
         self.use_graphs = self.cudagraph_mode.startswith("full")
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
@@ -341,9 +353,12 @@ class ModelRunner:
             logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)),
                                  context=context)
             return StepOutput(logits, graph_batch)
-        hidden = self.model.hidden_states(dev.input_ids, dev.positions,
-                                          self._attention(dev, md.max_seqlen_q),
-                                          fused_ops=self.fused_ops)
+        attention = self._attention(dev, md.max_seqlen_q)
+        if self.compiled is not None:
+            hidden = self.compiled(dev.input_ids, dev.positions, attention)
+        else:
+            hidden = self.model.hidden_states(dev.input_ids, dev.positions, attention,
+                                              fused_ops=self.fused_ops)
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs

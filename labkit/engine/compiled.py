@@ -1,0 +1,163 @@
+"""The model's forward compiled the way vLLM compiles it: traced once by Dynamo, split at attention,
+each piece compiled by Inductor for a symbolic number of tokens.
+
+Attention cannot go into a compiled graph as ordinary ops: what it reads (each row's context
+through its block table) is the step's metadata, not the step's shapes. So attention, with the
+K/V store it does first, is one custom op, ``labkit::attention(q, k, v, layer)``, registered
+with ``torch.library``. Dynamo sees an opaque call; it never looks inside. The op finds the
+step's attention function in a context the runner sets around each forward
+(``attention_context``), as vLLM's attention op reads its forward context.
+
+The backend (``split_at_attention``) then cuts the FX graph at every such call: with L layers
+there are L + 1 pieces around L attention calls, the same cut as the engine's piecewise graphs
+(``labkit.engine.pieces``). Each piece goes to Inductor (``compile_fx``) with the fake inputs
+Dynamo traced it with, so its kernels are generated once for a symbolic token count: a step of
+any size runs the same compiled pieces, with no recompilation.
+
+This slice runs on any device with ``cudagraph_mode="none"``: the pieces are not captured yet.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from labkit.engine.model import AttentionFn, LlamaModel
+
+_STEP_ATTENTION: list[AttentionFn] = []  # the step's attention function, innermost last
+
+
+@contextlib.contextmanager
+def attention_context(attention: AttentionFn) -> Iterator[None]:
+    """Inside it, ``labkit::attention`` calls ``attention`` (the step's, with its metadata)."""
+    _STEP_ATTENTION.append(attention)
+    try:
+        yield
+    finally:
+        _STEP_ATTENTION.pop()
+
+
+@torch.library.custom_op("labkit::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s attention of this step (its K/V stored first): q [T, Hq, D] -> [T, Hq,
+    D]. Opaque to Dynamo and Inductor, so the compiled graph splits here."""
+    if not _STEP_ATTENTION:
+        raise RuntimeError("labkit::attention ran outside attention_context(...): the runner "
+                           "sets the step's attention around each compiled forward")
+    out = torch.empty_like(q)
+    _STEP_ATTENTION[-1](layer, q, k, v, out=out)
+    return out
+
+
+@attention_op.register_fake
+def _attention_shape(q, k, v, layer):
+    return torch.empty_like(q)
+
+
+ATTENTION_TARGETS = (torch.ops.labkit.attention.default,)
+
+
+def _is_attention(node) -> bool:
+    return node.op == "call_function" and node.target in ATTENTION_TARGETS
+
+
+@dataclass
+class CompileStats:
+    pieces: int = 0              # graphs Inductor compiled (the work between attentions)
+    attention_calls: int = 0     # opaque attention calls the graph was split at
+    compile_s: float = 0.0       # calls that compiled (Dynamo, split, Inductor, one run), summed
+    compilations: int = 0        # times Dynamo handed the backend a graph (1: no recompile)
+    piece_names: list[str] = field(default_factory=list)
+
+
+class _Piece(torch.nn.Module):
+    """A compiled piece where the split module had its FX submodule."""
+
+    def __init__(self, compiled):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args):
+        return self.compiled(*args)
+
+
+class _CompilePieces(torch.fx.Interpreter):
+    """Runs the split graph on Dynamo's fake inputs; each piece that holds no attention call is
+    compiled by Inductor for the (symbolic) inputs it receives and put in its place."""
+
+    def __init__(self, split: torch.fx.GraphModule):
+        super().__init__(split)
+        self.compiled: list[str] = []
+
+    def call_module(self, target, args, kwargs):
+        from torch._inductor.compile_fx import compile_fx
+
+        sub = self.fetch_attr(target)
+        out = super().call_module(target, args, kwargs)
+        if not any(_is_attention(n) for n in sub.graph.nodes):
+            self.module._modules[target] = _Piece(compile_fx(sub, list(args)))
+            self.compiled.append(target)
+        return out
+
+
+def split_at_attention(stats: CompileStats):
+    """A Dynamo backend: the graph cut at every attention call (each call a part of its own),
+    every other part compiled by Inductor. Records what it did in ``stats``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.passes.split_module import split_module
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        part, parts = 0, {}
+        for node in gm.graph.nodes:
+            if _is_attention(node):
+                parts[node], part = part + 1, part + 2
+            else:
+                parts[node] = part
+        split = split_module(gm, None, lambda node: parts[node], keep_original_order=True)
+        fake_mode = torch._guards.TracingContext.try_get().fake_mode
+        fakes = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                v = node.meta.get("example_value")
+                if isinstance(v, torch.Tensor) and not (isinstance(v, FakeTensor)
+                                                        and v.fake_mode is fake_mode):
+                    v = fake_mode.from_tensor(v)
+                fakes.append(v)
+        compiler = _CompilePieces(split)
+        with fake_mode:
+            compiler.run(*fakes)
+        stats.pieces = len(compiler.compiled)
+        stats.piece_names = compiler.compiled
+        stats.attention_calls = sum(_is_attention(n) for n in gm.graph.nodes)
+        stats.compilations += 1
+        return split
+    return backend
+
+
+class CompiledForward:
+    """``model.hidden_states`` compiled: ``forward(input_ids, positions, attention)`` -> the
+    final-normed hidden states, the layers' small ops plain (Inductor fuses them itself)."""
+
+    def __init__(self, model: LlamaModel):
+        self.model = model
+        self.stats = CompileStats()
+
+        def forward(input_ids, positions):
+            return model.hidden_states(
+                input_ids, positions,
+                lambda layer, q, k, v, out=None: attention_op(q, k, v, layer), fused_ops=False)
+        self._compiled = torch.compile(forward, backend=split_at_attention(self.stats),
+                                       dynamic=True, fullgraph=True)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attention: AttentionFn) -> torch.Tensor:
+        t0, before = time.perf_counter(), self.stats.compilations
+        # a float (rms_norm_eps) stays a constant of the graph, not a symbolic input
+        with attention_context(attention), torch._dynamo.config.patch(specialize_float=True):
+            hidden = self._compiled(input_ids, positions)
+        if self.stats.compilations > before:  # a call that compiled: its time is the compile's
+            self.stats.compile_s += time.perf_counter() - t0
+        return hidden
