@@ -20,6 +20,8 @@ another failed:
    cache, decode forward under ``torch.compile``, batches of requests with similar prompt
    lengths, left padding, greedy, ``max_new_tokens`` = the batch's longest output. Only each
    request's own output tokens count as useful.
+5. ``compile_start`` (the full run only, not ``--quick``): ``LLM(compile=True)``'s first generate in a fresh
+   process with an empty Inductor cache (cold), then with the cache that left (warm).
 
 Throughput is output tokens / wall time; warm-up (kernel JIT, graph capture, compilation) runs
 before the clock starts, for both. The sections run in ``rounds`` rounds (default 3), each in a
@@ -47,6 +49,7 @@ import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit import check_positive_int
 from labkit.device import describe, fingerprint, free_memory, synchronize
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model, save_weights
+from labkit.engine.compiled import compile_start
 from labkit.engine.runner import resolve_cudagraph_mode
 from labkit.lessons.putting_it_together.transformers_peer import (
     TransformersPeer,
@@ -76,6 +79,7 @@ class BenchmarkConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     rounds: int = 3              # passes over every section, each in a fresh shuffled order
+    compile_start: bool = True   # time compile=True's cold and warm start in fresh processes
 
     def __post_init__(self):
         for name in ("prompt_lens", "output_lens"):
@@ -96,7 +100,7 @@ class BenchmarkConfig:
         # token for token (the benchmark's own correctness guard).
         return cls(num_requests=8, prompt_lens=(4, 24), output_lens=(2, 8), system_prompt_len=32,
                    dtype="float32", quick=True, init_std=0.2, hf_batch_size=4,
-                   max_num_seqs=8, max_num_batched_tokens=256)
+                   max_num_seqs=8, max_num_batched_tokens=256, compile_start=False)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -290,6 +294,9 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
         results["greedy_agreement"] = {"requests": len(ours), "identical": same,
                                        "first_token_identical": first,
                                        "median_common_prefix": statistics.median(common)}
+    if cfg.compile_start:  # Inductor's on-disk cache: empty, then as the first run left it
+        results["compile_start"] = _attempt("compile_start", lambda: compile_start(
+            cfg.model_config, device=device.type, dtype=cfg.dtype), errors)
     _report(results, cfg, spreads)
     if out_dir is not None:
         _write(results, Path(out_dir))
@@ -336,6 +343,12 @@ def _report(results, cfg: BenchmarkConfig, spreads: dict) -> None:
         hit = results["sections"]["prefix_cached"]["prefix_hit_rate"]
         print(f"shared {cfg.system_prompt_len}-token system prompt: prefix hit rate {hit:.1%}, "
               f"caching on / off {spreads['prefix_gain']:.2fx}")
+    if results.get("compile_start"):
+        c = results["compile_start"]
+        cold, warm = c["cold"], c["warm"]
+        print(f"compile=True, first generate in a fresh process: cold "
+              f"{cold['first_generate_s']:.1f} s (compile {cold['compile_s']:.1f}), warm "
+              f"{warm['first_generate_s']:.1f} s (compile {warm['compile_s']:.1f})")
     if "greedy_agreement" in results:
         g = results["greedy_agreement"]
         print(f"greedy outputs identical to transformers: {g['identical']}/{g['requests']}; "

@@ -59,3 +59,12 @@ def test_compile_refuses_what_it_cannot_do_yet():
         LLM(model, compile=True, cudagraph_mode="piecewise")
     with pytest.raises(ValueError, match="pass fused_ops=False"):
         LLM(model, compile=True, fused_ops=True)
+
+
+def test_a_warm_start_reuses_the_compile_cache_a_cold_one_filled(tmp_path):
+    from labkit.engine.compiled import compile_start
+    start = compile_start(ModelConfig.tiny(), cache_dir=tmp_path)
+    cold, warm = start["cold"], start["warm"]
+    assert cold["compilations"] == warm["compilations"] >= 1
+    assert any(tmp_path.iterdir()), "the cold start wrote Inductor's cache there"
+    assert warm["compile_s"] < 0.7 * cold["compile_s"], start

@@ -161,3 +161,45 @@ class CompiledForward:
         if self.stats.compilations > before:  # a call that compiled: its time is the compile's
             self.stats.compile_s += time.perf_counter() - t0
         return hidden
+
+
+_START = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from labkit.engine import LLM, ModelConfig, SamplingParams, random_model
+config, device, dtype = ModelConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
+model = random_model(config, seed=0, device=device, dtype=getattr(torch, dtype))
+t1 = time.perf_counter()
+llm = LLM(model, compile=True, cudagraph_mode="none", max_num_seqs=2)
+llm.generate([[1, 2, 3], [4] * 9], SamplingParams(max_tokens=2))
+t2 = time.perf_counter()
+s = llm.runner.compiled.stats
+print(json.dumps({"import_and_model_s": t1 - t0, "first_generate_s": t2 - t1,
+                  "compile_s": s.compile_s, "compilations": s.compilations}))
+"""
+
+
+def compile_start(config, *, device: str = "cpu", dtype: str = "float32", cache_dir=None,
+                  timeout_s: float = 600.0) -> dict:
+    """Cold and warm start of ``compile=True`` in fresh processes: the first with an empty
+    Inductor cache in ``cache_dir`` (a new temporary folder by default), the second with the
+    cache the first left there. Each reports its first ``generate`` (engine built, compiled,
+    run) and the compile time inside it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="labkit_inductor_") as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir or tmp)}
+        out = {}
+        for start in ("cold", "warm"):
+            proc = subprocess.run(
+                [sys.executable, "-c", _START, json.dumps(config.to_dict()), device, dtype],
+                env=env, capture_output=True, text=True, timeout=timeout_s)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {start} start failed:\n{proc.stderr[-2000:]}")
+            out[start] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return out
