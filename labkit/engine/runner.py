@@ -144,9 +144,6 @@ class ModelRunner:
         self.backend, self.selection_log = self._choose_backend(backend, block_size)
         self.use_graphs = self.cudagraph_mode.startswith("full")
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
-        # (K cache, V cache, K scale, V scale) of each layer: views made once, not per launch
-        self._layer_caches = [(self.cache.key_cache(i), self.cache.value_cache(i),
-                               *self.cache.scales(i)) for i in range(c.num_hidden_layers)]
         # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
         # only where the Triton backend is asked for (the whole Triton path, end to end).
         self.store_kernel = self.device.type == "cuda" or self.backend.name == "triton"
@@ -285,12 +282,11 @@ class ModelRunner:
                 cache.k_scale is not None, self.model.config.num_attention_heads,
                 cache.key_cache(0).shape, md.seq_lens.numel(),
                 md.block_tables.shape[1] * cache.block_size, max_query_len, self.device)
-            layers, tables, cu, lens = self._layer_caches, md.block_tables, md.cu_seqlens_q, \
-                md.seq_lens
+            tables, cu, lens = md.block_tables, md.cu_seqlens_q, md.seq_lens
 
             def run(q, layer, out):
-                k, v, k_scale, v_scale = layers[layer]
-                return plan.run(q, k, v, tables, cu, lens, k_scale, v_scale, out=out)
+                return plan.run(q, cache.key_cache(layer), cache.value_cache(layer), tables, cu,
+                                lens, *cache.scales(layer), out=out)
             return run
         paged = self.backend.paged
 

@@ -107,6 +107,13 @@ class PagedKVCache:
             self.v_scale = torch.ones_like(self.k_scale)
         else:
             self.k_scale = self.v_scale = None
+        # Each layer's views, made once: an engine asks for them in every layer of every step,
+        # and indexing kv again each time costs the host microseconds per call. Everything
+        # writes kv and the scales in place, so the views stay valid.
+        self._layers = [(self.kv[i, 0], self.kv[i, 1],
+                         None if self.k_scale is None else self.k_scale[i],
+                         None if self.v_scale is None else self.v_scale[i])
+                        for i in range(num_layers)]
 
     @classmethod
     def for_memory(cls, shape: KVCacheShape, memory_bytes: int, block_size: int = 16,
@@ -164,16 +171,13 @@ class PagedKVCache:
     # ------------------------------------------------------------------ views
     def key_cache(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, num_kv_heads, head_dim], a view."""
-        return self.kv[self._layer(layer), 0]
+        return self._layers[self._layer(layer)][0]
 
     def value_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[self._layer(layer), 1]
+        return self._layers[self._layer(layer)][1]
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        layer = self._layer(layer)
-        if self.k_scale is None:
-            return None, None
-        return self.k_scale[layer], self.v_scale[layer]
+        return self._layers[self._layer(layer)][2:]
 
     def set_scales(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Per-head fp8 scales from sample keys/values [num_tokens, H, D]: max |x| maps to 448.
