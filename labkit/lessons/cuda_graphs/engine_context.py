@@ -50,15 +50,15 @@ def context_key_rounds(model: LlamaModel, *, batch: int = 8, contexts=(512, 3276
     dev = model.embed_tokens.device
     if dev.type != "cuda":
         raise ValueError("context-keyed decode graphs are full CUDA Graphs: run on a GPU")
-    longest = max(contexts)
-    blocks = batch * -(-longest // 16) + 1
+    longest, block_size = max(contexts), 16
+    blocks = batch * -(-longest // block_size) + 1  # every row its own blocks at the longest
     runners, out = {}, {"batch": batch, "contexts": list(contexts),
                         "context_buckets": list(context_buckets), "rounds": rounds}
     for name, keys in (("by_batch", None), ("by_batch_and_context", context_buckets)):
         t0 = time.perf_counter()
-        r = ModelRunner(model, num_blocks=blocks, max_model_len=longest, max_num_seqs=batch,
-                        decode_buckets=(batch,), cudagraph_mode="full_decode_only",
-                        decode_context_buckets=keys)
+        r = ModelRunner(model, num_blocks=blocks, block_size=block_size, max_model_len=longest,
+                        max_num_seqs=batch, decode_buckets=(batch,),
+                        cudagraph_mode="full_decode_only", decode_context_buckets=keys)
         [mem] = r.graph_memory()
         out[name] = {"keys": len(r.graphs.keys()), "build_s": time.perf_counter() - t0,
                      "capture_ms": mem["capture_ms"], "graph_MiB": mem["measured_bytes"] / 2**20,
