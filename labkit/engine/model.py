@@ -17,6 +17,7 @@ Hugging Face tensors into them).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -28,6 +29,7 @@ from labkit.attention import (AttentionSpec, flash_attention, flash_attention_re
 from labkit.engine.config import DTYPES, ModelConfig
 from labkit.kernels import layer_ops
 from labkit.kernels.layer_ops import apply_rope, rope_cos_sin
+from labkit.kernels.skinny_linear import MAX_ROWS, skinny_linear
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer, q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, D]) -> [T, Hq, D]; q and k already rotated.
@@ -54,9 +56,25 @@ def split_heads(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int
 
 class PlainOps:
     """A layer's small ops in plain torch, one kernel per op (about 40 a layer): the references
-    of ``kernels/layer_ops.py``, so the plain path is what the fused kernels are checked against."""
+    of ``kernels/layer_ops.py``, so the plain path is what the fused kernels are checked against.
+
+    A layer calls them as norm-then-project (``norm_linear``, ``norm_gate_up``) and project
+    (``linear``), so an ops class may fuse a norm or an activation into the matmul itself."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm_ref)
     silu_mul = staticmethod(layer_ops.silu_mul_ref)
+    linear = staticmethod(F.linear)
+
+    @classmethod
+    def norm_linear(cls, x, residual, norm_weight, weight, eps):
+        """(``rms_norm(x + residual) @ weight.T``, the new residual)."""
+        h, residual = cls.add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(h, weight), residual
+
+    @classmethod
+    def norm_gate_up(cls, x, residual, norm_weight, weight, eps):
+        """(``silu(gate) * up`` of the normed input, the new residual); ``weight``: gate_up."""
+        h, residual = cls.add_rms_norm(x, residual, norm_weight, eps)
+        return cls.silu_mul(F.linear(h, weight)), residual
 
     @staticmethod
     def rotary(positions: torch.Tensor, inv_freq: torch.Tensor):
@@ -69,11 +87,38 @@ class PlainOps:
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-class FusedOps:
+class FusedOps(PlainOps):
     """The same ops as three Triton kernels (``kernels/layer_ops.py``): about 10 kernels a layer
-    with the matmuls. The residual add rides in the norm, RoPE rotates qkv in place."""
+    with the matmuls. The residual add rides in the norm, RoPE rotates qkv in place.
+
+    With ``skinny_matmuls(True)``, a step of at most ``skinny_rows`` tokens (a small decode
+    batch) runs its matmuls as ``kernels/skinny_linear.py``, which folds the norm before a
+    projection, and SiLU-times-up after gate_up, into the weight stream. Off by default:
+    ``benchmarks/decode_floor.py`` measures it against cuBLAS, which wins on the H200 so far."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm)
     silu_mul = staticmethod(layer_ops.silu_mul)
+    skinny_rows = 0
+
+    @classmethod
+    def _skinny(cls, x: torch.Tensor) -> bool:
+        return 0 < x.shape[0] <= cls.skinny_rows
+
+    @classmethod
+    def linear(cls, x, weight):
+        return skinny_linear(x, weight)[0] if cls._skinny(x) else F.linear(x, weight)
+
+    @classmethod
+    def norm_linear(cls, x, residual, norm_weight, weight, eps):
+        if cls._skinny(x):
+            return skinny_linear(x, weight, residual=residual, norm_weight=norm_weight, eps=eps)
+        return super().norm_linear(x, residual, norm_weight, weight, eps)
+
+    @classmethod
+    def norm_gate_up(cls, x, residual, norm_weight, weight, eps):
+        if cls._skinny(x):
+            return skinny_linear(x, weight, residual=residual, norm_weight=norm_weight, eps=eps,
+                                 gated=True)
+        return super().norm_gate_up(x, residual, norm_weight, weight, eps)
 
     @staticmethod
     def rotary(positions: torch.Tensor, inv_freq: torch.Tensor):
@@ -112,9 +157,9 @@ class DecoderLayer(nn.Module):
         depends on where a token's sequence starts or what it attends to: only the token
         count fixes the shapes, which is what a piecewise graph keys on."""
         c = self.config
-        h, residual = ops.add_rms_norm(x, residual, self.input_norm, c.rms_norm_eps)
-        q, k, v = ops.rope_qkv(F.linear(h, self.qkv_proj), rotary, c.num_attention_heads,
-                               c.num_key_value_heads)
+        qkv, residual = ops.norm_linear(x, residual, self.input_norm, self.qkv_proj,
+                                        c.rms_norm_eps)
+        q, k, v = ops.rope_qkv(qkv, rotary, c.num_attention_heads, c.num_key_value_heads)
         return q, k, v, residual
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor, ops
@@ -123,9 +168,10 @@ class DecoderLayer(nn.Module):
         output projection, the second norm and the MLP, token by token as well."""
         c = self.config
         out = out.reshape(out.shape[0], c.q_size)
-        h, residual = ops.add_rms_norm(F.linear(out, self.o_proj), residual,
-                                       self.post_attention_norm, c.rms_norm_eps)
-        return F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
+        act, residual = ops.norm_gate_up(ops.linear(out, self.o_proj), residual,
+                                         self.post_attention_norm, self.gate_up_proj,
+                                         c.rms_norm_eps)
+        return ops.linear(act, self.down_proj), residual
 
 
 class LlamaModel(nn.Module):
@@ -212,6 +258,18 @@ class LlamaModel(nn.Module):
         if positions.numel() and int(positions.max()) >= limit:
             raise ValueError(f"position {int(positions.max())} is past the model's context of "
                              f"{limit} tokens (max_position_embeddings); shorten the sequence")
+
+
+@contextmanager
+def skinny_matmuls(enabled: bool):
+    """``FusedOps`` with its skinny matmuls on or off inside the block (what a CUDA Graph
+    captured inside it freezes): for experiments that measure what they gain."""
+    before = FusedOps.skinny_rows
+    FusedOps.skinny_rows = MAX_ROWS if enabled else 0
+    try:
+        yield
+    finally:
+        FusedOps.skinny_rows = before
 
 
 def model_dtype(config: ModelConfig, dtype) -> torch.dtype:

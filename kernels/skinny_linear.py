@@ -1,0 +1,274 @@
+"""Linear layers for a few rows: a decode step streams the weights, so fuse what rides along.
+
+What you will learn: at batch 1 a decode step's matmuls are matrix-vector products. Each weight
+byte is read once and used for one multiply-add per row, so the time is the weight's bytes over
+the memory bandwidth, and anything else in the step (a norm, an activation, a launch) is time
+on top of that floor. ``skinny_linear`` computes ``x @ w.T`` for up to 16 rows, one program per
+``BLOCK_N`` output features streaming its slice of ``w``, and folds into the same pass the small
+ops a Llama layer runs around its matmuls:
+
+* ``norm_weight=``: the input is ``rms_norm(x + residual) * norm_weight`` (the residual add
+  and the RMSNorm that come before the q/k/v and gate/up projections). Every program reads the
+  few rows of ``x`` itself (kilobytes from L2, against the megabytes of weight it streams), so no
+  program waits on another; program 0 writes the new residual ``x + residual``;
+* ``gated=True``: ``w`` holds the gate rows then the up rows (``gate_up_proj``) and the output is
+  ``silu(gate) * up``: each program streams its gate slice and the matching up slice.
+
+Two kernels: one row runs ``_gemv_kernel`` (multiply-adds on the CUDA cores; ``gemv=False``
+forces the other), 2 to 16 rows ``_skinny_kernel`` (a 16-row ``tl.dot`` tile).
+
+Rounding follows the eager ops (``add_rms_norm_ref``, ``silu_mul_ref``): the residual sum and the
+normed input are rounded to the model's dtype before the matmul reads them, the gate is rounded
+before SiLU. ``skinny_linear_ref`` is that eager sequence, and tests compare the two on random
+shapes. Past ``MAX_ROWS`` rows a matmul reuses each weight tile across rows and a tiled GEMM
+(cuBLAS) is the right kernel: callers switch there.
+"""
+from __future__ import annotations
+
+import labkit  # noqa: F401  (before triton: interpreter on where there is no GPU)
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from labkit.kernels.grid import cdiv
+from labkit.kernels.layer_ops import add_rms_norm_ref, silu_mul_ref
+
+MAX_ROWS = 16  # tl.dot's smallest tile: 1 to 16 rows cost the same weight stream
+
+
+@triton.jit
+def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stride_w, stride_o,
+                   stride_ro, up_offset, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    dtype = W.dtype.element_ty
+    if NORM:
+        # First pass over the few input rows: their mean square (and the new residual).
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ok = row_ok[:, None] & (ks < K)[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32) + tl.load(R + rows[:, None] * stride_r + ks[None, :],
+                                                mask=ok, other=0.0).to(tl.float32)).to(dtype)
+                if pid == 0:
+                    tl.store(R_out + rows[:, None] * stride_ro + ks[None, :], x, mask=ok)
+            x32 = x.to(tl.float32)
+            sq += tl.sum(x32 * x32, 1)
+        inv_rms = 1.0 / tl.sqrt(sq / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        ok = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+        if NORM:
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32) + tl.load(R + rows[:, None] * stride_r + ks[None, :],
+                                                mask=ok, other=0.0).to(tl.float32)).to(dtype)
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype)
+            nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
+            x = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if GATED:
+            wu = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
+                         other=0.0)
+            acc_up += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # F.silu rounds to the dtype here
+        out = act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    else:
+        out = acc
+    tl.store(Out + rows[:, None] * stride_o + cols[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NORM: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    # One row: multiply-adds on the CUDA cores, no 16-row tensor-core tile to fill with padding,
+    # so a program holds less and more of them fit on each SM.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    dtype = W.dtype.element_ty
+    if NORM:
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ok = ks < K
+            x = tl.load(X + ks, mask=ok, other=0.0)
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32) + tl.load(R + ks, mask=ok, other=0.0).to(tl.float32)
+                     ).to(dtype)
+                if pid == 0:
+                    tl.store(R_out + ks, x, mask=ok)
+            x32 = x.to(tl.float32)
+            sq += x32 * x32
+        inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(X + ks, mask=k_ok, other=0.0)
+        if NORM:
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32) + tl.load(R + ks, mask=k_ok, other=0.0).to(tl.float32)
+                     ).to(dtype)
+            normed = (x.to(tl.float32) * inv_rms).to(dtype)
+            nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
+            x = (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype)
+        x32 = x.to(tl.float32)[None, :]
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x32, 1)
+        if GATED:
+            wu = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
+                         other=0.0)
+            acc_up += tl.sum(wu.to(tl.float32) * x32, 1)
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        out = act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    else:
+        out = acc
+    tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
+
+
+# The tile per shape: DEFAULT[one row?], and TUNED[(one row?, N, K, gated)] where a
+# measurement chose one (benchmarks/decode_floor.py --linears fills it for its run).
+DEFAULT = {True: dict(block_n=16, num_warps=4, num_stages=3, gemv=True),
+           False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
+TUNED: dict[tuple[bool, int, int, bool], dict] = {}
+
+SHARED_BYTES = 160 * 2**10  # of the 227 KiB an H100/H200 SM has, for the pipelined tiles
+
+
+def _block_k(k: int, block_n: int, tiles: int, stages: int, elem: int) -> int:
+    """The widest K step (at most 512) whose ``stages`` copies of the x tile and the weight
+    tiles fit in SHARED_BYTES."""
+    block = 16 if k <= 16 else min(512, triton.next_power_of_2(k))
+    while block > 16 and stages * (16 + tiles * block_n) * block * elem > SHARED_BYTES:
+        block //= 2
+    return block
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                  gated: bool = False, block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  gemv: bool | None = None, block_k: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [M <= 16, K] (rows contiguous); weight: [N, K] (``[2 N, K]`` when ``gated``) ->
+    (out [M, N], new residual or None).
+
+    With ``norm_weight`` the input is ``rms_norm(x + residual) * norm_weight`` and the new
+    residual (``x + residual``, or ``x`` when ``residual`` is None) comes back too; without it,
+    ``out = x @ weight.T`` and ``residual`` must be None. ``gated``: ``silu(gate) * up``.
+
+    The tile (``block_n``, ``num_warps``, ``num_stages``, ``gemv``, ``block_k``): each one not
+    given comes from ``TUNED`` for this shape (one row or more, N, K, gated), else ``DEFAULT``."""
+    if x.dim() != 2 or weight.dim() != 2 or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with contiguous rows, "
+                         f"got x {tuple(x.shape)} strides {x.stride()}, weight "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    rows, k = x.shape
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    tuned = TUNED.get((rows == 1, n_out, k, gated), DEFAULT[rows == 1])
+    block_n = tuned["block_n"] if block_n is None else block_n
+    num_warps = tuned["num_warps"] if num_warps is None else num_warps
+    num_stages = tuned["num_stages"] if num_stages is None else num_stages
+    gemv = tuned.get("gemv", False) if gemv is None else gemv
+    block_k = tuned.get("block_k") if block_k is None else block_k
+    if rows > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most MAX_ROWS={MAX_ROWS} rows, got x with "
+                         f"{rows}: a tiled matmul (F.linear) serves more")
+    if weight.shape[1] != k:
+        raise ValueError(f"weight [N, K] must have K={k} columns like x, got {tuple(weight.shape)}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"gated=True wants weight [2 N, K] (gate rows, then up rows), got "
+                         f"{weight.shape[0]} rows")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}: give both one dtype")
+    smallest = 1 if rows == 1 and gemv else 16
+    if block_n < smallest or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= {smallest} (tl.dot's smallest tile "
+                         f"is 16; one row runs without it), got {block_n}")
+    if norm_weight is None and residual is not None:
+        raise ValueError("residual is added before the norm: pass norm_weight with it")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [K={k}], got {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual must match x {tuple(x.shape)} with contiguous rows, got "
+                         f"{tuple(residual.shape)} strides {residual.stride()}")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    norm = norm_weight is not None
+    new_residual = None
+    if norm:
+        new_residual = x if residual is None else torch.empty_like(x)
+    if rows and not n and residual is not None:  # no program runs to write the residual
+        torch.add(x, residual, out=new_residual)
+    if rows and n:
+        r = residual if residual is not None else x
+        ro = new_residual if new_residual is not None else x
+        if rows == 1 and gemv:
+            _gemv_kernel[(cdiv(n, block_n),)](
+                x, r, norm_weight if norm else x, weight, out, ro, n, k, weight.stride(0), n,
+                eps, NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n,
+                BLOCK_K=min(block_k or 512, max(16, triton.next_power_of_2(k))),
+                num_warps=num_warps, num_stages=num_stages)
+            return out, new_residual
+        bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
+        _skinny_kernel[(cdiv(n, block_n),)](
+            x, r, norm_weight if norm else x, weight, out, ro, rows, n, k, x.stride(0),
+            r.stride(0), weight.stride(0), out.stride(0), ro.stride(0), n, eps, NORM=norm,
+            HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=min(bk, block_k) if block_k else bk, num_warps=num_warps, num_stages=num_stages,
+            # float32 as F.linear computes it (tl.dot would take TF32): the same greedy tokens
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return out, new_residual
+
+
+def skinny_linear_ref(x, weight, *, residual=None, norm_weight=None, eps=1e-6, gated=False):
+    """The eager sequence ``skinny_linear`` fuses: norm, matmul, then SiLU times up."""
+    new_residual = None
+    if norm_weight is not None:
+        x, new_residual = add_rms_norm_ref(x, residual, norm_weight, eps)
+    out = F.linear(x, weight)
+    return (silu_mul_ref(out) if gated else out), new_residual
+
+
+if __name__ == "__main__":
+    from labkit.device import interpreter_on
+    from labkit.measure.bench import gbps, measure
+
+    device = labkit.select_device("auto")
+    dtype = torch.float32 if interpreter_on() else torch.bfloat16
+    hidden, inter = (64, 96) if interpreter_on() else (2048, 8192)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for rows in (1, 8):
+        x, r = (torch.randn(rows, hidden, generator=g).to(device, dtype) for _ in "xr")
+        norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, dtype)
+        gate_up = (torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).to(device, dtype)
+        kw = dict(residual=r, norm_weight=norm_w, eps=1e-5, gated=True)
+        got, want = skinny_linear(x, gate_up, **kw), skinny_linear_ref(x, gate_up, **kw)
+        torch.testing.assert_close(got[0], want[0], **tol)
+        torch.testing.assert_close(got[1], want[1], **tol)
+        t = measure(lambda: skinny_linear(x, gate_up, **kw), device=device, repeats=5)
+        print(f"{rows} row(s): norm + gate_up + SiLU*up matches the eager sequence; "
+              f"{t.median_us:.1f} us, {gbps(gate_up.numel() * gate_up.element_size(), t):.0f} "
+              f"GB/s of weight on {device}")

@@ -1,0 +1,142 @@
+"""skinny_linear (a decode step's matmuls, norm and SiLU folded in) against the eager sequence.
+
+Under Triton's interpreter on CPU in float32; on a GPU in bf16 and inside the engine (``gpu``).
+"""
+import random
+
+import pytest
+import torch
+
+import labkit  # noqa: F401  (interpreter before triton)
+from labkit.engine import LLM, ModelConfig, SamplingParams
+from labkit.engine.model import FusedOps, skinny_matmuls
+from labkit.kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_ref
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def fresh_seed():
+    return random.randrange(2**31)
+
+
+def close(a, b, dtype, what):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    scale = max(b.double().abs().max().item(), 1.0) if b.numel() else 1.0
+    assert err <= TOL[dtype] * scale, f"{what}: max error {err:.2e} (scale {scale:.2f})"
+
+
+def case(rows, n, k, *, norm, residual, gated, dtype=torch.float32, device="cpu", g=None):
+    x = torch.randn(rows, k, generator=g).to(device, dtype)
+    w = (torch.randn((2 if gated else 1) * n, k, generator=g) / k ** 0.5).to(device, dtype)
+    r = torch.randn(rows, k, generator=g).to(device, dtype) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype) if norm else None
+    return x, w, dict(residual=r, norm_weight=nw, eps=1e-5, gated=gated)
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (16, 33, 17), (5, 16, 600), (3, 70, 1),
+                                        (0, 32, 64), (2, 0, 32)])
+@pytest.mark.parametrize("norm, residual, gated", [(False, False, False), (True, False, False),
+                                                   (True, True, False), (True, True, True),
+                                                   (False, False, True)])
+def test_matches_the_eager_sequence(rows, n, k, norm, residual, gated):
+    g = torch.Generator().manual_seed(seed := fresh_seed())
+    x, w, kw = case(rows, n, k, norm=norm, residual=residual, gated=gated, g=g)
+    (out, res), (ref, ref_res) = skinny_linear(x, w, **kw), skinny_linear_ref(x, w, **kw)
+    close(out, ref, torch.float32, f"seed {seed}: out")
+    if norm:
+        close(res, ref_res, torch.float32, f"seed {seed}: new residual")
+        if residual and rows:
+            assert res.data_ptr() not in (x.data_ptr(), kw["residual"].data_ptr())
+    else:
+        assert res is None
+
+
+def test_random_shapes_and_tiles():
+    rng = random.Random(seed := fresh_seed())
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(10):
+        rows = rng.choice([1, 1, rng.randint(2, MAX_ROWS)])
+        n, k = rng.randint(1, 90), rng.randint(1, 700)
+        flags = dict(norm=rng.random() < 0.7, gated=rng.random() < 0.5)
+        flags["residual"] = flags["norm"] and rng.random() < 0.7
+        x, w, kw = case(rows, n, k, g=g, **flags)
+        gemv = rng.random() < 0.5  # one row: the multiply-add kernel, or the tensor-core tile
+        block_n = rng.choice([4, 8, 16, 32] if rows == 1 and gemv else [16, 32, 64])
+        block_k = rng.choice([None, 16, 64])
+        got = skinny_linear(x, w, block_n=block_n, gemv=gemv, block_k=block_k, **kw)[0]
+        close(got, skinny_linear_ref(x, w, **kw)[0], torch.float32,
+              f"seed {seed}: rows {rows} n {n} k {k} {flags} block_n {block_n} gemv {gemv}")
+
+
+def test_bad_input_names_the_parameter():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="MAX_ROWS=16"):
+        skinny_linear(torch.randn(17, 8), w)
+    with pytest.raises(ValueError, match="K=8"):
+        skinny_linear(x, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="gated=True wants weight"):
+        skinny_linear(x, torch.randn(5, 8), gated=True)
+    with pytest.raises(ValueError, match="pass norm_weight"):
+        skinny_linear(x, w, residual=x)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        skinny_linear(x, w, norm_weight=torch.ones(7))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        skinny_linear(x, w, block_n=24)
+    with pytest.raises(ValueError, match="one dtype"):
+        skinny_linear(x, w.double())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        skinny_linear(torch.randn(8, 2).t(), w)
+
+
+def test_the_fused_model_uses_it_for_small_steps_only(monkeypatch):
+    """With skinny_matmuls(True), decode rows (at most MAX_ROWS) run skinny_linear, four calls
+    a layer, and a prompt's rows run cuBLAS; it is off by default and off again after the
+    block; the tokens are the same either way."""
+    import labkit.engine.model as model_module
+    calls = []
+    real = model_module.skinny_linear
+
+    def counted(x, *a, **kw):
+        calls.append(x.shape[0])
+        return real(x, *a, **kw)
+    monkeypatch.setattr(model_module, "skinny_linear", counted)
+    cfg = ModelConfig.tiny()
+    prompts = [[random.randrange(256) for _ in range(n)] for n in (20, 3)]
+    params = SamplingParams(max_tokens=4)
+    off = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True).generate(prompts, params)
+    assert calls == [] and FusedOps.skinny_rows == 0
+    with skinny_matmuls(True):
+        assert FusedOps.skinny_rows == MAX_ROWS
+        on = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True).generate(prompts,
+                                                                                  params)
+    assert FusedOps.skinny_rows == 0
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert calls and max(calls) <= MAX_ROWS
+    assert len(calls) % (4 * cfg.num_hidden_layers) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_and_the_engine():
+    g = torch.Generator().manual_seed(seed := fresh_seed())
+    for rows in (1, 7, 16):
+        for n, k, gated in ((3072, 2048, False), (8192, 2048, True), (2048, 8192, False),
+                            (1000, 300, False)):
+            norm = k != 8192  # down_proj's input has no norm before it
+            x, w, kw = case(rows, n, k, norm=norm, residual=norm and rows > 1, gated=gated,
+                            dtype=torch.bfloat16, device="cuda", g=g)
+            (out, res), (ref, ref_res) = skinny_linear(x, w, **kw), skinny_linear_ref(x, w, **kw)
+            close(out, ref, torch.bfloat16, f"seed {seed}: rows {rows} n {n} k {k}")
+            if kw["norm_weight"] is not None:
+                close(res, ref_res, torch.bfloat16, f"seed {seed}: residual")
+    # float32 on a GPU: tl.dot must not drop to TF32, or greedy tokens would differ from cuBLAS
+    x, w, kw = case(4, 96, 640, norm=True, residual=True, gated=False, device="cuda", g=g)
+    close(skinny_linear(x, w, **kw)[0], skinny_linear_ref(x, w, **kw)[0], torch.float32,
+          "float32 on a GPU")
+    prompts = [[random.randrange(256) for _ in range(n)] for n in (5, 17, 1, 30, 9)]
+    params = SamplingParams(max_tokens=10)
+    cfg = ModelConfig.tiny(torch_dtype="float32")
+    plain = LLM(cfg, device="cuda", fused_ops=False).generate(prompts, params)
+    with skinny_matmuls(True):  # the decode graphs capture it
+        with_skinny = LLM(cfg, device="cuda", fused_ops=True).generate(prompts, params)
+    assert [o.token_ids for o in with_skinny] == [o.token_ids for o in plain]
