@@ -185,6 +185,13 @@ class GraphPool:
             self._capture_one(key)
         return self.stats
 
+    def graph(self, key: tuple) -> torch.cuda.CUDAGraph:
+        """The captured graph of ``key`` (as ``keys()`` names it): to replay it alone, as a
+        benchmark does, once a call has put real inputs in its static buffers."""
+        if key not in self._graphs:
+            raise KeyError(f"no graph captured for key {key}; captured: {sorted(self._graphs)}")
+        return self._graphs[key][0]
+
     def pool_bytes(self) -> int:
         """Bytes of device memory held by this pool's graphs (segments of its private pool)."""
         return segment_bytes(self._mempool)
