@@ -37,6 +37,16 @@ MAX_ROWS = 16  # tl.dot's smallest tile: 1 to 16 rows cost the same weight strea
 
 
 @triton.jit
+def _input(X, R, x_offs, r_offs, ok, HAS_RESIDUAL: tl.constexpr):
+    """The matmul's input before its norm: ``x``, or ``x + residual`` rounded to the dtype."""
+    x = tl.load(X + x_offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(R + r_offs, mask=ok, other=0.0).to(tl.float32)
+             ).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stride_w, stride_o,
                    stride_ro, up_offset, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -53,10 +63,9 @@ def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stri
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             ok = row_ok[:, None] & (ks < K)[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+            x = _input(X, R, rows[:, None] * stride_x + ks[None, :],
+                       rows[:, None] * stride_r + ks[None, :], ok, HAS_RESIDUAL)
             if HAS_RESIDUAL:
-                x = (x.to(tl.float32) + tl.load(R + rows[:, None] * stride_r + ks[None, :],
-                                                mask=ok, other=0.0).to(tl.float32)).to(dtype)
                 if pid == 0:
                     tl.store(R_out + rows[:, None] * stride_ro + ks[None, :], x, mask=ok)
             x32 = x.to(tl.float32)
@@ -68,11 +77,9 @@ def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stri
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         ok = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+        x = _input(X, R, rows[:, None] * stride_x + ks[None, :],
+                   rows[:, None] * stride_r + ks[None, :], ok, HAS_RESIDUAL and NORM)
         if NORM:
-            if HAS_RESIDUAL:
-                x = (x.to(tl.float32) + tl.load(R + rows[:, None] * stride_r + ks[None, :],
-                                                mask=ok, other=0.0).to(tl.float32)).to(dtype)
             normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype)
             nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
             x = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
@@ -108,10 +115,8 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             ok = ks < K
-            x = tl.load(X + ks, mask=ok, other=0.0)
+            x = _input(X, R, ks, ks, ok, HAS_RESIDUAL)
             if HAS_RESIDUAL:
-                x = (x.to(tl.float32) + tl.load(R + ks, mask=ok, other=0.0).to(tl.float32)
-                     ).to(dtype)
                 if pid == 0:
                     tl.store(R_out + ks, x, mask=ok)
             x32 = x.to(tl.float32)
@@ -122,11 +127,8 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(X + ks, mask=k_ok, other=0.0)
+        x = _input(X, R, ks, ks, k_ok, HAS_RESIDUAL and NORM)
         if NORM:
-            if HAS_RESIDUAL:
-                x = (x.to(tl.float32) + tl.load(R + ks, mask=k_ok, other=0.0).to(tl.float32)
-                     ).to(dtype)
             normed = (x.to(tl.float32) * inv_rms).to(dtype)
             nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
             x = (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype)
