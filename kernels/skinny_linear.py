@@ -151,7 +151,9 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
 
 # The tile per shape: DEFAULT[one row?], and TUNED[(one row?, N, K, gated)] where a
 # measurement chose one (benchmarks/decode_floor.py --linears fills it for its run).
-DEFAULT = {True: dict(block_n=16, num_warps=4, num_stages=3, gemv=True),
+# One row: the tile that won every projection of bench_1b on the H200 (2 output features a
+# program, 2 warps, K in steps of 1,024), measured by decode_floor.py --linears.
+DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024),
            False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
 TUNED: dict[tuple[bool, int, int, bool], dict] = {}
 

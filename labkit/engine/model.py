@@ -94,7 +94,8 @@ class FusedOps(PlainOps):
     With ``skinny_matmuls(True)``, a step of at most ``skinny_rows`` tokens (a small decode
     batch) runs its matmuls as ``kernels/skinny_linear.py``, which folds the norm before a
     projection, and SiLU-times-up after gate_up, into the weight stream. Off by default:
-    ``benchmarks/decode_floor.py`` measures it against cuBLAS, which wins on the H200 so far."""
+    ``benchmarks/decode_floor.py`` measures it against cuBLAS (on the H200 it won a replayed
+    batch-1 step and lost at batch 8)."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm)
     silu_mul = staticmethod(layer_ops.silu_mul)
     skinny_rows = 0
