@@ -122,10 +122,12 @@ def gpu_time_ms(llm: LLM, sleep_cycles: int = 10**8) -> float:
     return start.elapsed_time(end)
 
 
-def _timed_chunks(llm: LLM, cfg: MixedConfig, prompt: list[int], time_one) -> list[float]:
+def _timed_chunks(llm: LLM, cfg: MixedConfig, prompt: list[int], time_one
+                  ) -> tuple[list[float], list]:
     """Admit ``prompt``, then ``time_one(llm)`` for each of ``measured_steps`` steps from its
     third chunk on (the first two: admission, and async scheduling filling its pipeline); each
-    timed step must be one chunk beside every decode. Then the prompt runs to its end."""
+    timed step must be one chunk beside every decode. Then the prompt runs to its end.
+    Returns (the times, the timed steps' records)."""
     rid = llm.add_request(prompt, SamplingParams(max_tokens=2))
     for _ in range(2):
         llm.step()
