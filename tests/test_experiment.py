@@ -126,6 +126,16 @@ def test_a_backend_that_raises_mid_run_is_a_failed_row_with_the_error(tiny_model
     assert row["reason"] == "RuntimeError: kernel exploded"
 
 
+def test_workload_lengths_do_not_depend_on_the_vocabulary():
+    # 08a plans the schedule without a model; on a GPU the engine ran bench_1b's vocabulary,
+    # and drawing token ids from the lengths' stream gave it other lengths than the plan's.
+    small, large = SMALL.requests(256), SMALL.requests(128_256)
+    assert [len(p) for p in small[0]] == [len(p) for p in large[0]] == SMALL.lengths()[0]
+    assert [p.max_tokens for p in small[1]] == [p.max_tokens for p in large[1]] == \
+        SMALL.lengths()[1]
+    assert small[0] != large[0], "the token ids do follow the vocabulary"
+
+
 def test_workload_is_reproducible_and_validates_its_ranges():
     a, b = SMALL.requests(256), SMALL.requests(256)
     assert a == b, "one seed, the same prompts and output lengths"

@@ -124,6 +124,19 @@ def test_graph_replay_computes_what_eager_computes_and_is_faster_for_tiny_kernel
     assert lo.speedup_table(df).speedup.iloc[0] > 2
 
 
+@pytest.mark.gpu
+def test_a_graph_runner_keeps_the_buffer_its_graph_writes_alive():
+    # The graph holds no reference to its buffer: freed, the replays wrote memory the allocator
+    # handed to others (notebook 01's sweep died of an illegal address on the H200).
+    run = lo.chain_runner("graph", 1 << 16, 10, torch.device("cuda"))
+    torch.cuda.empty_cache()
+    others = [torch.full((1 << 16,), -1.0, device="cuda") for _ in range(4)]
+    out = run()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(out, 30.0)), "two warm-ups and one replay of 10"
+    assert all(bool((o == -1).all()) for o in others), "the replay wrote nobody else's memory"
+
+
 def test_the_chain_length_claim_over_rounds_fails_when_one_round_looks_like_a_cost_per_chain(
         fresh_claims):
     made = lo.chain_length_claim([3.6, 3.5, 3.7], [3.4, 3.5, 3.3], 64, 4, 16)

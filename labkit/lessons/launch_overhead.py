@@ -36,6 +36,8 @@ def default_modes(device: torch.device) -> tuple[str, ...]:
 
 
 def capture_chain(x: torch.Tensor, n_kernels: int) -> torch.cuda.CUDAGraph:
+    """The chain on ``x`` captured. The graph keeps no reference to ``x``: the caller must hold
+    it for as long as the graph replays, or the replay writes memory freed for others."""
     return capture_graph(lambda: tiny_kernels(x, n_kernels))[0]
 
 
@@ -61,7 +63,12 @@ def chain_runner(mode: str, numel: int, n_kernels: int, device: torch.device):
         if device.type != "cuda":
             raise ValueError("mode='graph' needs a CUDA device; on CPU compare 'eager' with "
                              "'compiled' instead")
-        return capture_chain(x, n_kernels).replay
+        graph = capture_chain(x, n_kernels)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return x  # held by this closure as long as the graph is
+        return replay
     fn = compiled_chain(n_kernels)
     return lambda: fn(x)
 

@@ -43,9 +43,8 @@ def simulate_schedule(workload: Workload, buckets: tuple[int, ...] | None = None
         max_num_batched_tokens=max(opts["max_num_batched_tokens"], seqs), max_num_seqs=seqs,
         max_model_len=opts["max_model_len"], decode_buckets=buckets),
         BlockManager(opts["num_blocks"], block_size, enable_prefix_caching=False))
-    prompts, params = workload.requests(vocab_size=256)
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        sched.add_request(i, p, max_tokens=sp.max_tokens)
+    for i, (n, out) in enumerate(zip(*workload.lengths())):
+        sched.add_request(i, [0] * n, max_tokens=out)
     while sched.has_unfinished_requests():
         step = sched.schedule()
         sched.update(step, [0] * step.num_sampled)

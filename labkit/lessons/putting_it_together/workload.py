@@ -31,13 +31,20 @@ class Workload:
     def max_len(self) -> int:
         return self.prompt_len[1] + self.output_len[1]
 
-    def requests(self, vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """Each request's (prompt lengths, output lengths): drawn from the seed alone, so a plan
+        made without a model is the schedule of any model's run, whatever its vocabulary."""
         rng = random.Random(self.seed)
-        prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*self.prompt_len))]
-                   for _ in range(self.num_requests)]
-        params = [SamplingParams(max_tokens=rng.randint(*self.output_len))
-                  for _ in range(self.num_requests)]
-        return prompts, params
+        prompt = [rng.randint(*self.prompt_len) for _ in range(self.num_requests)]
+        output = [rng.randint(*self.output_len) for _ in range(self.num_requests)]
+        return prompt, output
+
+    def requests(self, vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
+        check_positive_int("vocab_size", vocab_size)
+        prompt, output = self.lengths()
+        ids = random.Random(f"{self.seed}: token ids")  # its own stream: lengths stay as drawn
+        prompts = [[ids.randrange(vocab_size) for _ in range(n)] for n in prompt]
+        return prompts, [SamplingParams(max_tokens=n) for n in output]
 
 
 def engine_options(workload: Workload, block_size: int = 16) -> dict:
