@@ -11,7 +11,9 @@ another failed:
 1. ``labkit``: ``LLM.generate`` over all requests at once, the engine's defaults (CUDA Graphs
    on in the default ``cudagraph_mode``, each layer's small ops as three fused kernels);
    ``labkit_full_decode_only``: full graphs for uniform decode steps only, every other step
-   eager (mode_gain = labkit / this)
+   eager (mode_gain = labkit / this); ``labkit_compiled``: ``compile=True``, the same graphs
+   with Inductor's fusion of the plain ops in place of labkit's hand-fused kernels
+   (compile_gain = this / labkit)
 2. ``labkit_unfused``: the same with ``fused_ops=False`` (fused_gain = labkit / this);
    ``labkit_eager``: ``enforce_eager=True``, unfused (graphs_gain = labkit_unfused / this)
 3. ``prefix_cached`` / ``prefix_uncached``: every prompt behind one shared 1,024-token system
@@ -40,6 +42,7 @@ import random
 import statistics
 import tempfile
 import time
+from typing import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,8 +62,8 @@ from labkit.measure.bench import TritonCompiles
 from labkit.measure.rounds import Spread
 
 TARGET_VS_TRANSFORMERS = 2.0  # labkit's throughput over transformers', met in every round
-SECTIONS = ("labkit", "labkit_full_decode_only", "labkit_unfused", "labkit_eager",
-            "prefix_cached", "prefix_uncached", "transformers")
+SECTIONS = ("labkit", "labkit_compiled", "labkit_full_decode_only", "labkit_unfused",
+            "labkit_eager", "prefix_cached", "prefix_uncached", "transformers")
 
 
 @dataclass(frozen=True)
@@ -126,10 +129,10 @@ class BenchmarkConfig:
 # --- labkit -----------------------------------------------------------------------------------
 
 def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=False,
-               enable_prefix_caching=True, fused_ops=None, cudagraph_mode=None
+               enable_prefix_caching=True, fused_ops=None, cudagraph_mode=None, compile=False
                ) -> tuple[dict, list[list[int]]]:
     llm = LLM(model, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
-              fused_ops=fused_ops, cudagraph_mode=cudagraph_mode,
+              fused_ops=fused_ops, cudagraph_mode=cudagraph_mode, compile=compile,
               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
               max_model_len=min(cfg.model_config.max_position_embeddings,
                                 cfg.system_prompt_len + cfg.prompt_lens[1] + cfg.output_lens[1]))
@@ -189,6 +192,8 @@ def _spread_dict(spread: Spread | None) -> dict | None:
 def _ratio(passes, a, b) -> Spread | None:
     """Throughput of ``a`` over ``b``, taken within each round (both ran in it): its median
     and range over the rounds."""
+    if a not in passes or b not in passes:
+        return None
     per = [ra["tokens_per_s"] / rb["tokens_per_s"] for ra, rb in zip(passes[a], passes[b])
            if ra and rb and ra.get("tokens_per_s") and rb.get("tokens_per_s")]
     return Spread.of(per) if per else None
@@ -206,14 +211,20 @@ RATIOS = {"ratio_vs_transformers": ("labkit", "transformers"),
           "graphs_gain": ("labkit_unfused", "labkit_eager"),
           "fused_gain": ("labkit", "labkit_unfused"),
           "mode_gain": ("labkit", "labkit_full_decode_only"),
+          "compile_gain": ("labkit_compiled", "labkit"),
           "prefix_gain": ("prefix_cached", "prefix_uncached")}
 
 
-def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfig | None = None
-        ) -> dict:
+def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfig | None = None,
+        sections: Sequence[str] | None = None) -> dict:
     """Every section once per round, ``cfg.rounds`` rounds, each in a fresh shuffled order
     (drawn from the seed): a section's figures are its median pass, every ratio the median of
-    the per-round ratios with their range."""
+    the per-round ratios with their range. ``sections``: only these (default all); a ratio
+    whose sections did not both run is None."""
+    chosen = tuple(SECTIONS if sections is None else sections)
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown or not chosen:
+        raise ValueError(f"sections must be names of {list(SECTIONS)}, got {list(chosen)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = config
     if cfg is None:
@@ -239,6 +250,8 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
     shared = [system + p for p in prompts]
     labkit_runs = {
         "labkit": lambda: run_labkit(model, prompts, olens, cfg),
+        # Inductor's fusion of the plain ops in place of the hand-fused kernels, same graphs
+        "labkit_compiled": lambda: run_labkit(model, prompts, olens, cfg, compile=True),
         # Full graphs for uniform decode only, every other step eager; on CPU, where there are
         # no full graphs, every step eager.
         "labkit_full_decode_only": lambda: run_labkit(
@@ -252,18 +265,19 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
                                               enable_prefix_caching=False),
     }
     errors: dict[str, str] = {}
-    passes: dict[str, list] = {name: [] for name in SECTIONS}
+    passes: dict[str, list] = {name: [] for name in chosen}
     tokens: dict[str, list] = {}
     rng = random.Random(cfg.seed)
     with tempfile.TemporaryDirectory(prefix="labkit_bench_") as tmp:
-        peer = _attempt("transformers", lambda: (save_weights(model, tmp), TransformersPeer(
-            tmp, prompts, olens, device=device, dtype=cfg.torch_dtype,
-            batch_size=cfg.hf_batch_size,
-            compile_forward=device.type == "cuda" and not cfg.quick))[1], errors)
+        peer = None if "transformers" not in chosen else _attempt(
+            "transformers", lambda: (save_weights(model, tmp), TransformersPeer(
+                tmp, prompts, olens, device=device, dtype=cfg.torch_dtype,
+                batch_size=cfg.hf_batch_size,
+                compile_forward=device.type == "cuda" and not cfg.quick))[1], errors)
         runs = dict(labkit_runs, transformers=peer.run if peer is not None else None)
         try:
             for r in range(cfg.rounds):
-                for name in rng.sample(SECTIONS, len(SECTIONS)):
+                for name in rng.sample(chosen, len(chosen)):
                     if runs[name] is None or name in errors:
                         passes[name].append(None)
                         continue
@@ -274,7 +288,7 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
         finally:
             if peer is not None:
                 peer.close()
-    for name in SECTIONS:
+    for name in chosen:
         done = [p for p in passes[name] if p]
         results["sections"][name] = ({"error": errors[name]} if name in errors or not done
                                      else _median_pass(done))
@@ -296,7 +310,8 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
                                        "median_common_prefix": statistics.median(common)}
     if cfg.compile_start:  # Inductor's on-disk cache: empty, then as the first run left it
         results["compile_start"] = _attempt("compile_start", lambda: compile_start(
-            cfg.model_config, device=device.type, dtype=cfg.dtype), errors)
+            cfg.model_config, device=device.type, dtype=cfg.dtype, cudagraph_mode=None),
+            errors)
     _report(results, cfg, spreads)
     if out_dir is not None:
         _write(results, Path(out_dir))
@@ -317,8 +332,7 @@ def verdict(spread: Spread | None, target: float) -> str:
 def _report(results, cfg: BenchmarkConfig, spreads: dict) -> None:
     print(f"{'section':<24}{'tokens':>9}{'seconds':>10}{'tok/s':>11}{'range':>19}{'TTFT ms':>10}"
           f"{'TPOT ms':>10}")
-    for name in SECTIONS:
-        s = results["sections"][name]
+    for name, s in results["sections"].items():
         if "error" in s:
             print(f"{name:<24} FAILED: {s['error'][:200]}")
             continue
@@ -337,6 +351,9 @@ def _report(results, cfg: BenchmarkConfig, spreads: dict) -> None:
         print(f"cudagraph_mode {mode} / full_decode_only: {spreads['mode_gain']:.2fx}")
     if spreads["graphs_gain"] is not None:
         print(f"CUDA Graphs on / off (both unfused): {spreads['graphs_gain']:.2fx}")
+    if spreads["compile_gain"] is not None:
+        print(f"compile=True (Inductor-fused plain ops) / hand-fused Triton ops, same graphs: "
+              f"{spreads['compile_gain']:.2fx}")
     if spreads["fused_gain"] is not None:
         print(f"fused layer ops on / off: {spreads['fused_gain']:.2fx}")
     if spreads["prefix_gain"] is not None:
@@ -346,9 +363,11 @@ def _report(results, cfg: BenchmarkConfig, spreads: dict) -> None:
     if results.get("compile_start"):
         c = results["compile_start"]
         cold, warm = c["cold"], c["warm"]
-        print(f"compile=True, first generate in a fresh process: cold "
-              f"{cold['first_generate_s']:.1f} s (compile {cold['compile_s']:.1f}), warm "
-              f"{warm['first_generate_s']:.1f} s (compile {warm['compile_s']:.1f})")
+        print(f"compile=True ({cold.get('cudagraph_mode')}), first generate in a fresh "
+              f"process: cold {cold['first_generate_s']:.1f} s (compile "
+              f"{cold['compile_s']:.1f}, capture {cold.get('capture_ms', 0) / 1e3:.1f}), warm "
+              f"{warm['first_generate_s']:.1f} s (compile {warm['compile_s']:.1f}, capture "
+              f"{warm.get('capture_ms', 0) / 1e3:.1f})")
     if "greedy_agreement" in results:
         g = results["greedy_agreement"]
         print(f"greedy outputs identical to transformers: {g['identical']}/{g['requests']}; "
@@ -364,8 +383,8 @@ def _write(results, out_dir: Path) -> None:
     with open(out_dir / "engine.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         writer.writeheader()
-        for name in SECTIONS:
-            writer.writerow({"section": name, **results["sections"][name]})
+        for name, section in results["sections"].items():
+            writer.writerow({"section": name, **section})
     (out_dir / "engine.json").write_text(json.dumps(results, indent=1, default=str))
     print(f"wrote {out_dir / 'engine.csv'} and {out_dir / 'engine.json'}")
 
@@ -385,6 +404,9 @@ if __name__ == "__main__":
                         help="requests per transformers generate() call (default 64)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="passes over every section, shuffled each time (default 3)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
+                        help="run only these sections (default all), e.g. labkit "
+                             "labkit_compiled")
     args = parser.parse_args()
     cfg = None
     changes = {k: v for k, v in (("hf_batch_size", args.hf_batch_size),
@@ -393,4 +415,4 @@ if __name__ == "__main__":
         quick = args.quick or not torch.cuda.is_available()
         base = BenchmarkConfig.small() if quick else BenchmarkConfig()
         cfg = BenchmarkConfig(**{**asdict(base), **changes})
-    run(args.out, quick=args.quick, config=cfg)
+    run(args.out, quick=args.quick, config=cfg, sections=args.sections)

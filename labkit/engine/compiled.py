@@ -14,12 +14,22 @@ there are L + 1 pieces around L attention calls, the same cut as the engine's pi
 Dynamo traced it with, so its kernels are generated once for a symbolic token count: a step of
 any size runs the same compiled pieces, with no recompilation.
 
-This slice runs on any device with ``cudagraph_mode="none"``: the pieces are not captured yet.
+Under CUDA graphs the compiled pieces are captured the way the engine's own pieces are
+(``labkit.engine.cudagraphs``). A full decode graph captures the whole compiled forward, the
+decode attention inside the opaque op included. Piecewise graphs (``CompiledPiecewise``) run
+the compiled forward once per token bucket with a recorder in place: each compiled piece is
+captured as one graph into a shared memory pool, and each attention call between them is
+written down with the tensors it reads and writes. Those tensors live in the pool, made by the
+graph before (attention's output too: the op fills an ``out`` the piece before allocates), so a
+step replays the graphs in order and runs each attention eagerly on its recorded tensors, the
+step's real rows only. Nothing the pool holds is kept alive by Python, so a bucket captured
+later reuses what an earlier one used: buckets never run at once.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -40,21 +50,29 @@ def attention_context(attention: AttentionFn) -> Iterator[None]:
         _STEP_ATTENTION.pop()
 
 
-@torch.library.custom_op("labkit::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s attention of this step (its K/V stored first): q [T, Hq, D] -> [T, Hq,
-    D]. Opaque to Dynamo and Inductor, so the compiled graph splits here."""
+@torch.library.custom_op("labkit::attention", mutates_args=("out",))
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 layer: int) -> None:
+    """Layer ``layer``'s attention of this step (its K/V stored first): q [T, Hq, D] -> ``out``
+    [T, Hq, D], filled in place. Opaque to Dynamo and Inductor, so the compiled graph splits
+    here; ``out`` is allocated before the split, so under piecewise graphs it is memory of the
+    graph before, the same address at every replay."""
     if not _STEP_ATTENTION:
         raise RuntimeError("labkit::attention ran outside attention_context(...): the runner "
                            "sets the step's attention around each compiled forward")
-    out = torch.empty_like(q)
     _STEP_ATTENTION[-1](layer, q, k, v, out=out)
-    return out
 
 
 @attention_op.register_fake
-def _attention_shape(q, k, v, layer):
-    return torch.empty_like(q)
+def _attention_shape(q, k, v, out, layer):
+    return None
+
+
+def _attend(layer: int, q, k, v, out=None) -> torch.Tensor:
+    """The AttentionFn the traced model calls: its output allocated here, filled by the op."""
+    out = torch.empty_like(q)
+    attention_op(q, k, v, out, layer)
+    return out
 
 
 ATTENTION_TARGETS = (torch.ops.labkit.attention.default,)
@@ -73,14 +91,21 @@ class CompileStats:
     piece_names: list[str] = field(default_factory=list)
 
 
+_RECORDING: list["_Recorder"] = []  # set while CompiledPiecewise captures a bucket
+
+
 class _Piece(torch.nn.Module):
-    """A compiled piece where the split module had its FX submodule."""
+    """A compiled piece where the split module had its FX submodule: run as it is, or, while
+    ``CompiledPiecewise`` captures a bucket, captured into that bucket's graphs. A full
+    graph's capture (no recorder then) just runs it: the full graph takes its kernels."""
 
     def __init__(self, compiled):
         super().__init__()
         self.compiled = compiled
 
     def forward(self, *args):
+        if _RECORDING:
+            return _RECORDING[-1].capture(self.compiled, args)
         return self.compiled(*args)
 
 
@@ -146,9 +171,13 @@ class CompiledForward:
         self.stats = CompileStats()
 
         def forward(input_ids, positions):
-            return model.hidden_states(
-                input_ids, positions,
-                lambda layer, q, k, v, out=None: attention_op(q, k, v, layer), fused_ops=False)
+            return model.hidden_states(input_ids, positions, _attend, fused_ops=False)
+        # Dynamo keeps its compiled code and guards per code object, and every engine's forward
+        # would share this one's: each new backend a guard failure, the eighth engine of a
+        # process a hard failure at the recompile limit. A copy of the code object of its own
+        # keeps each engine's compilations its own.
+        forward = types.FunctionType(forward.__code__.replace(), forward.__globals__,
+                                     forward.__name__, forward.__defaults__, forward.__closure__)
         self._compiled = torch.compile(forward, backend=split_at_attention(self.stats),
                                        dynamic=True, fullgraph=True)
 
@@ -163,29 +192,199 @@ class CompiledForward:
         return hidden
 
 
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a tensor that does not keep it allocated: a graph's output, which the
+    graph rewrites at every replay, while the pool may hand the memory to a later capture."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        storage, t.storage_offset(), t.shape, t.stride())
+
+
+class _Rerun:
+    """Off a GPU, a "graph" of one compiled piece: replay runs it again on the inputs it was
+    captured with and writes into the outputs it returned then (kept alive here), so the
+    replay sequence, the static inputs and the recorded attention tensors are exercised as on a
+    GPU; the kernels are not frozen (Inductor's CPU kernels are C++, which labkit's stand-in
+    cannot record)."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self.outputs = fn(*args)
+
+    def replay(self) -> None:
+        kept, fresh = self.outputs, self.fn(*self.args)
+        if isinstance(kept, torch.Tensor):
+            kept, fresh = (kept,), (fresh,)
+        for old, new in zip(kept, fresh):
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+
+
+class _Recorder:
+    """One bucket's capture: the graph of each compiled piece, in order, into ``pool``, and the
+    attention calls between them with the tensors each reads and writes."""
+
+    def __init__(self, pool, on_gpu: bool):
+        self.pool, self.on_gpu = pool, on_gpu
+        self.graphs: list = []
+        self.calls: list[tuple] = []
+
+    def capture(self, fn, args):
+        if not self.on_gpu:
+            graph = _Rerun(fn, args)
+            self.graphs.append(graph)
+            return graph.outputs
+        fn(*args)  # warm-up: lazy initialisation and Triton's autotuning outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(*args)
+        self.graphs.append(graph)
+        return outputs
+
+    def attention(self, layer, q, k, v, out=None):
+        keep = (lambda t: t) if not self.on_gpu else _unowned
+        self.calls.append((layer, keep(q), keep(k), keep(v), keep(out)))
+
+
+class CompiledPiecewise:
+    """Piecewise graphs of the compiled forward, one set per token bucket (see the module
+    docstring): ``run(n, attention)`` replays the bucket that holds ``n`` tokens, the step's
+    tokens loaded first with ``load``, and returns the final hidden states of its ``n`` rows.
+    ``stats`` is ``PiecewiseStats``, as the engine's own piecewise graphs keep it."""
+
+    def __init__(self, forward: CompiledForward, buckets, device: torch.device):
+        from labkit.graphs.buckets import check_buckets
+        from labkit.graphs.piecewise import PiecewiseStats
+
+        self.forward, self.device = forward, device
+        self.buckets = tuple(check_buckets("buckets", buckets, "token counts"))
+        # One row more than the largest bucket: every bucket's inputs are then views shorter
+        # than their buffer (Dynamo guards on a view's base; a view the size of its base at
+        # one bucket and shorter at the next would recompile).
+        rows = self.buckets[-1] + 1
+        self.ids = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.stats = PiecewiseStats()
+        self._captured: dict[int, tuple[list, list, torch.Tensor]] = {}
+        self._mempool = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.positions))
+
+    def _pool_bytes(self) -> int:
+        from labkit.graphs.pool import segment_bytes
+        return segment_bytes(self._mempool) if self.on_gpu else 0
+
+    @torch.inference_mode()
+    def capture(self):
+        """Every bucket, largest first, into one pool; returns ``stats``. The forward runs
+        once first at the largest bucket, outside any capture, so Dynamo and Inductor compile
+        there (a bucket Dynamo specialises, 1, compiles in its own capture)."""
+        from labkit.graphs.piecewise import PieceStats
+
+        if self._captured:
+            raise RuntimeError("these piecewise graphs are captured already")
+        self._mempool = torch.cuda.graph_pool_handle() if self.on_gpu else None
+        top = self.buckets[-1]  # compiled here, so the compile is not counted as capture
+        self.forward(self.ids[:top], self.positions[:top], lambda *args, out=None: None)
+        for bucket in sorted(self.buckets, reverse=True):
+            self.ids[:bucket].zero_()
+            self.positions[:bucket].zero_()
+            if self.on_gpu:
+                torch.cuda.synchronize()
+            pool0, t0 = self._pool_bytes(), time.perf_counter()
+            recorder = _Recorder(self._mempool, self.on_gpu)
+            _RECORDING.append(recorder)
+            try:
+                hidden = self.forward(self.ids[:bucket], self.positions[:bucket],
+                                      recorder.attention)
+            finally:
+                _RECORDING.pop()
+            if len(recorder.graphs) != len(recorder.calls) + 1:
+                raise RuntimeError(f"captured {len(recorder.graphs)} pieces around "
+                                   f"{len(recorder.calls)} attention calls: the compiled graph "
+                                   "was not cut at every attention")
+            if self.on_gpu:
+                torch.cuda.synchronize()
+                hidden = _unowned(hidden)
+            self._captured[bucket] = (recorder.graphs, recorder.calls, hidden)
+            self.stats.buckets[bucket] = PieceStats(
+                bucket, (time.perf_counter() - t0) * 1e3, self._pool_bytes() - pool0)
+            self.stats.num_pieces = len(recorder.graphs)
+        self.stats.buckets = dict(sorted(self.stats.buckets.items()))
+        return self.stats
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The captured bucket a step of ``num_tokens`` replays at; None: larger than all."""
+        from labkit.graphs.buckets import bucket_for, check_size
+        return bucket_for(check_size("num_tokens", num_tokens), self.buckets, default=None)
+
+    @torch.inference_mode()
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
+        """The step's tokens into the static inputs, rows up to ``bucket`` padded with 0."""
+        n = input_ids.shape[0]
+        self.ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        if n < bucket:
+            self.ids[n:bucket].zero_()
+            self.positions[n:bucket].zero_()
+
+    @torch.inference_mode()
+    def run(self, num_tokens: int, attention: AttentionFn) -> torch.Tensor:
+        """Replays the bucket of ``num_tokens`` (loaded with ``load``), ``attention`` eager
+        between the pieces on the first ``num_tokens`` rows -> hidden [num_tokens, hidden]."""
+        bucket = self.bucket_for(num_tokens)
+        if bucket is None or bucket not in self._captured:
+            raise ValueError(f"num_tokens={num_tokens} has no captured bucket (largest "
+                             f"{self.buckets[-1]}; capture() first): run that step eagerly")
+        graphs, calls, hidden = self._captured[bucket]
+        n = num_tokens
+        for i, graph in enumerate(graphs):
+            graph.replay()
+            if i < len(calls):
+                layer, q, k, v, out = calls[i]
+                attention(layer, q[:n], k[:n], v[:n], out=out[:n])
+        st = self.stats.buckets[bucket]
+        st.replays += 1
+        st.real_tokens += n
+        st.padded_tokens += bucket - n
+        return hidden[:n]
+
+
 _START = """
 import json, sys, time
 t0 = time.perf_counter()
 import torch
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model
 config, device, dtype = ModelConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
+mode = json.loads(sys.argv[4])
 model = random_model(config, seed=0, device=device, dtype=getattr(torch, dtype))
 t1 = time.perf_counter()
-llm = LLM(model, compile=True, cudagraph_mode="none", max_num_seqs=2)
+llm = LLM(model, compile=True, cudagraph_mode=mode, max_num_seqs=2)
 llm.generate([[1, 2, 3], [4] * 9], SamplingParams(max_tokens=2))
 t2 = time.perf_counter()
 s = llm.runner.compiled.stats
 print(json.dumps({"import_and_model_s": t1 - t0, "first_generate_s": t2 - t1,
-                  "compile_s": s.compile_s, "compilations": s.compilations}))
+                  "compile_s": s.compile_s, "compilations": s.compilations,
+                  "cudagraph_mode": llm.cudagraph_mode,
+                  "capture_ms": sum(r["capture_ms"] for r in llm.runner.graph_memory())}))
 """
 
 
 def compile_start(config, *, device: str = "cpu", dtype: str = "float32", cache_dir=None,
-                  timeout_s: float = 600.0) -> dict:
+                  cudagraph_mode: str | None = "none", timeout_s: float = 600.0) -> dict:
     """Cold and warm start of ``compile=True`` in fresh processes: the first with an empty
     Inductor cache in ``cache_dir`` (a new temporary folder by default), the second with the
     cache the first left there. Each reports its first ``generate`` (engine built, compiled,
-    run) and the compile time inside it."""
+    its graphs captured per ``cudagraph_mode`` (None: the device's default), run), the compile
+    time inside it and the graphs' capture time."""
     import json
     import os
     import subprocess
@@ -197,7 +396,8 @@ def compile_start(config, *, device: str = "cpu", dtype: str = "float32", cache_
         out = {}
         for start in ("cold", "warm"):
             proc = subprocess.run(
-                [sys.executable, "-c", _START, json.dumps(config.to_dict()), device, dtype],
+                [sys.executable, "-c", _START, json.dumps(config.to_dict()), device, dtype,
+                 json.dumps(cudagraph_mode)],
                 env=env, capture_output=True, text=True, timeout=timeout_s)
             if proc.returncode != 0:
                 raise RuntimeError(f"the {start} start failed:\n{proc.stderr[-2000:]}")

@@ -114,11 +114,29 @@ def capture_piecewise_graphs(model: LlamaModel, fused_ops: bool, buckets: Sequen
     return pieces, piecewise
 
 
+def capture_compiled_piecewise(compiled, buckets: Sequence[int], device: torch.device):
+    """``compile=True``'s piecewise graphs (``labkit.engine.compiled.CompiledPiecewise``): the
+    compiled pieces captured per token bucket. Off a GPU each piece re-runs at replay instead
+    (Inductor's CPU kernels cannot be recorded), which checks the replay's order and buffers.
+    No prediction is made: Inductor's kernels run only once Dynamo has traced."""
+    from labkit.engine.compiled import CompiledPiecewise
+
+    piecewise = CompiledPiecewise(compiled, buckets, device)
+    stats = piecewise.capture()
+    log.info(f"captured {stats.num_graphs} compiled piecewise graphs ({stats.num_pieces} "
+             f"pieces x {len(stats.buckets)} token buckets up to {max(buckets)}) in "
+             f"{stats.capture_ms:.0f} ms (compile included); pool "
+             f"{stats.pool_bytes / 2**20:.1f} MiB")
+    return piecewise
+
+
 def graph_memory(graphs: GraphPool | None, piecewise: PiecewiseGraphs | None,
                  pieces: PiecewiseForward | None) -> list[dict]:
     """Per kind of graph captured ("full" decode graphs, "piecewise"): the graph count, capture
     ms, and device memory predicted before capture against what the capture took (pool and
-    static buffers, bytes; the prediction None where none was made)."""
+    static buffers, bytes; the prediction None where none was made). ``pieces``: what holds
+    the piecewise graphs' static buffers (``PiecewiseForward``, or ``CompiledPiecewise``
+    itself)."""
     rows = []
     if graphs is not None:
         st = graphs.stats

@@ -87,8 +87,8 @@ class LLM:
     is built with that choice; a LlamaModel given keeps its own for direct calls, and the
     engine runs it with this one (``LLM.fused_ops``). ``compile=True`` runs the forward
     compiled (``labkit.engine.compiled``: traced by Dynamo, split at attention, each piece
-    compiled by Inductor for a symbolic token count), the plain ops fused by Inductor; for now
-    with ``cudagraph_mode="none"`` only.
+    compiled by Inductor for a symbolic token count), the plain ops fused by Inductor; its
+    pieces are captured as ``cudagraph_mode`` says (on CPU piecewise replays re-run them).
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,

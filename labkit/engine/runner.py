@@ -34,11 +34,13 @@ from labkit.engine.cudagraphs import (  # noqa: F401  (the runner's names for th
     CUDAGRAPH_MODES,
     DEFAULT_CUDA_GRAPH_MODE,
     PAD,
+    capture_compiled_piecewise,
     capture_decode_graphs,
     capture_piecewise_graphs,
     graph_memory,
     resolve_cudagraph_mode,
 )
+from labkit.engine.compiled import CompiledPiecewise
 from labkit.engine.model import LlamaModel
 from labkit.engine.pieces import PiecewiseForward
 from labkit.engine.request import ScheduledStep
@@ -131,11 +133,6 @@ class ModelRunner:
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
         self.compiled = None
         if compile:
-            if self.cudagraph_mode != "none":
-                raise ValueError(f"compile=True runs with cudagraph_mode='none' for now (the "
-                                 f"compiled pieces are not captured yet); got cudagraph_mode="
-                                 f"{self.cudagraph_mode!r}: pass cudagraph_mode='none' or "
-                                 "enforce_eager=True beside compile=True")
             if self.fused_ops:
                 raise ValueError("compile=True compiles the layers' plain ops (Inductor fuses "
                                  "them itself): pass fused_ops=False, or leave it None")
@@ -172,11 +169,15 @@ class ModelRunner:
                 self.decode_forward, buckets, self.decode_context_buckets,
                 self.max_blocks_per_seq, self.device)
         self.pieces: PiecewiseForward | None = None
-        self.piecewise: PiecewiseGraphs | None = None
+        self.piecewise: PiecewiseGraphs | CompiledPiecewise | None = None
         if self.cudagraph_mode.endswith("piecewise"):
-            self.pieces, self.piecewise = capture_piecewise_graphs(
-                self.model, self.fused_ops, token_buckets or default_token_buckets(
-                    max_num_batched_tokens), self.cache)
+            token_buckets = token_buckets or default_token_buckets(max_num_batched_tokens)
+            if self.compiled is not None:
+                self.piecewise = capture_compiled_piecewise(self.compiled, token_buckets,
+                                                            self.device)
+            else:
+                self.pieces, self.piecewise = capture_piecewise_graphs(
+                    self.model, self.fused_ops, token_buckets, self.cache)
 
     def _choose_backend(self, backend: str, block_size: int):
         """Full graphs capture attention, so they need a backend that can be captured;
@@ -332,6 +333,11 @@ class ModelRunner:
         tokens = md.num_tokens
         if graph_batch is None and self.piecewise is not None and \
                 (bucket := self.piecewise.bucket_for(tokens)) is not None:
+            if self.pieces is None:  # the compiled pieces' graphs; attention stores the K/V
+                self.piecewise.load(dev.input_ids, dev.positions, bucket)
+                hidden = self.piecewise.run(tokens, self._attention(dev, md.max_seqlen_q))
+                return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]),
+                                  None, bucket)
             self.pieces.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
             attention = self._attention(dev, md.max_seqlen_q, store=self.pieces.cache is None)
             views = self.pieces.attention_views(tokens)
@@ -349,18 +355,14 @@ class ModelRunner:
             logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)),
                                  context=context)
             return StepOutput(logits, graph_batch)
-        attention = self._attention(dev, md.max_seqlen_q)
-        if self.compiled is not None:
-            hidden = self.compiled(dev.input_ids, dev.positions, attention)
-        else:
-            hidden = self.model.hidden_states(dev.input_ids, dev.positions, attention,
-                                              fused_ops=self.fused_ops)
+        hidden = self._hidden_states(dev.input_ids, dev.positions,
+                                     self._attention(dev, md.max_seqlen_q))
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs
     def graph_memory(self) -> list[dict]:
         """``cudagraphs.graph_memory`` of this runner's graphs."""
-        return graph_memory(self.graphs, self.piecewise, self.pieces)
+        return graph_memory(self.graphs, self.piecewise, self.pieces or self.piecewise)
 
     def decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
                        context_bucket: int | None = None):
@@ -377,6 +379,12 @@ class ModelRunner:
         md = DeviceMetadata(input_ids.clamp(min=0), positions.clamp(min=0), slot_mapping,
                             self._cu_arange[:batch + 1], seq_lens.clamp(min=0), block_tables,
                             self._cu_arange[:batch])
-        hidden = self.model.hidden_states(md.input_ids, md.positions, self._attention(md, 1),
-                                          fused_ops=self.fused_ops)
+        hidden = self._hidden_states(md.input_ids, md.positions, self._attention(md, 1))
         return self.model.compute_logits(hidden)
+
+    def _hidden_states(self, input_ids, positions, attention) -> torch.Tensor:
+        """The forward, compiled (``compile=True``) or with this runner's layer ops."""
+        if self.compiled is not None:
+            return self.compiled(input_ids, positions, attention)
+        return self.model.hidden_states(input_ids, positions, attention,
+                                        fused_ops=self.fused_ops)
