@@ -16,14 +16,15 @@ any size runs the same compiled pieces, with no recompilation.
 
 Under CUDA graphs the compiled pieces are captured the way the engine's own pieces are
 (``labkit.engine.cudagraphs``). A full decode graph captures the whole compiled forward, the
-decode attention inside the opaque op included. Piecewise graphs (``CompiledPiecewise``) run
-the compiled forward once per token bucket with a recorder in place: each compiled piece is
-captured as one graph into a shared memory pool, and each attention call between them is
-written down with the tensors it reads and writes. Those tensors live in the pool, made by the
-graph before (attention's output too: the op fills an ``out`` the piece before allocates), so a
-step replays the graphs in order and runs each attention eagerly on its recorded tensors, the
-step's real rows only. Nothing the pool holds is kept alive by Python, so a bucket captured
-later reuses what an earlier one used: buckets never run at once.
+decode attention inside the opaque op included. Piecewise graphs
+(``labkit.engine.compiled_pieces``) run the compiled forward once per token bucket with a
+recorder in place: each compiled piece is captured as one graph into a shared memory pool, and
+each attention call between them is written down with the tensors it reads and writes. Those
+tensors live in the pool, made by the graph before (attention's output too: the op fills an
+``out`` the piece before allocates), so a step replays the graphs in order and runs each
+attention eagerly on its recorded tensors, the step's real rows only. Nothing the pool holds is
+kept alive by Python, so a bucket captured later reuses what an earlier one used: buckets never
+run at once.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from typing import Iterator
 
 import torch
 
+from labkit.engine.compiled_pieces import _RECORDING
 from labkit.engine.model import AttentionFn, LlamaModel
 
 _STEP_ATTENTION: list[AttentionFn] = []  # the step's attention function, innermost last
@@ -91,13 +93,11 @@ class CompileStats:
     piece_names: list[str] = field(default_factory=list)
 
 
-_RECORDING: list["_Recorder"] = []  # set while CompiledPiecewise captures a bucket
-
-
 class _Piece(torch.nn.Module):
     """A compiled piece where the split module had its FX submodule: run as it is, or, while
-    ``CompiledPiecewise`` captures a bucket, captured into that bucket's graphs. A full
-    graph's capture (no recorder then) just runs it: the full graph takes its kernels."""
+    ``compiled_pieces.CompiledPiecewise`` captures a bucket, captured into that bucket's
+    graphs. A full graph's capture (no recorder then) just runs it: the full graph takes its
+    kernels."""
 
     def __init__(self, compiled):
         super().__init__()
@@ -190,172 +190,6 @@ class CompiledForward:
         if self.stats.compilations > before:  # a call that compiled: its time is the compile's
             self.stats.compile_s += time.perf_counter() - t0
         return hidden
-
-
-def _unowned(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory as a tensor that does not keep it allocated: a graph's output, which the
-    graph rewrites at every replay, while the pool may hand the memory to a later capture."""
-    storage = torch._C._construct_storage_from_data_pointer(
-        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        storage, t.storage_offset(), t.shape, t.stride())
-
-
-class _Rerun:
-    """Off a GPU, a "graph" of one compiled piece: replay runs it again on the inputs it was
-    captured with and writes into the outputs it returned then (kept alive here), so the
-    replay sequence, the static inputs and the recorded attention tensors are exercised as on a
-    GPU; the kernels are not frozen (Inductor's CPU kernels are C++, which labkit's stand-in
-    cannot record)."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-        self.outputs = fn(*args)
-
-    def replay(self) -> None:
-        kept, fresh = self.outputs, self.fn(*self.args)
-        if isinstance(kept, torch.Tensor):
-            kept, fresh = (kept,), (fresh,)
-        for old, new in zip(kept, fresh):
-            if isinstance(old, torch.Tensor):
-                old.copy_(new)
-
-
-class _Recorder:
-    """One bucket's capture: the graph of each compiled piece, in order, into ``pool``, and the
-    attention calls between them with the tensors each reads and writes."""
-
-    def __init__(self, pool, on_gpu: bool):
-        self.pool, self.on_gpu = pool, on_gpu
-        self.graphs: list = []
-        self.calls: list[tuple] = []
-
-    def capture(self, fn, args):
-        if not self.on_gpu:
-            graph = _Rerun(fn, args)
-            self.graphs.append(graph)
-            return graph.outputs
-        fn(*args)  # warm-up: lazy initialisation and Triton's autotuning outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn(*args)
-        self.graphs.append(graph)
-        return outputs
-
-    def attention(self, layer, q, k, v, out=None):
-        keep = (lambda t: t) if not self.on_gpu else _unowned
-        self.calls.append((layer, keep(q), keep(k), keep(v), keep(out)))
-
-
-class CompiledPiecewise:
-    """Piecewise graphs of the compiled forward, one set per token bucket (see the module
-    docstring): ``run(n, attention)`` replays the bucket that holds ``n`` tokens, the step's
-    tokens loaded first with ``load``, and returns the final hidden states of its ``n`` rows.
-    ``stats`` is ``PiecewiseStats``, as the engine's own piecewise graphs keep it."""
-
-    def __init__(self, forward: CompiledForward, buckets, device: torch.device):
-        from labkit.graphs.buckets import check_buckets
-        from labkit.graphs.piecewise import PiecewiseStats
-
-        self.forward, self.device = forward, device
-        self.buckets = tuple(check_buckets("buckets", buckets, "token counts"))
-        # One row more than the largest bucket: every bucket's inputs are then views shorter
-        # than their buffer (Dynamo guards on a view's base; a view the size of its base at
-        # one bucket and shorter at the next would recompile).
-        rows = self.buckets[-1] + 1
-        self.ids = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.stats = PiecewiseStats()
-        self._captured: dict[int, tuple[list, list, torch.Tensor]] = {}
-        self._mempool = None
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.positions))
-
-    def _pool_bytes(self) -> int:
-        from labkit.graphs.pool import segment_bytes
-        return segment_bytes(self._mempool) if self.on_gpu else 0
-
-    @torch.inference_mode()
-    def capture(self):
-        """Every bucket, largest first, into one pool; returns ``stats``. The forward runs
-        once first at the largest bucket, outside any capture, so Dynamo and Inductor compile
-        there (a bucket Dynamo specialises, 1, compiles in its own capture)."""
-        from labkit.graphs.piecewise import PieceStats
-
-        if self._captured:
-            raise RuntimeError("these piecewise graphs are captured already")
-        self._mempool = torch.cuda.graph_pool_handle() if self.on_gpu else None
-        top = self.buckets[-1]  # compiled here, so the compile is not counted as capture
-        self.forward(self.ids[:top], self.positions[:top], lambda *args, out=None: None)
-        for bucket in sorted(self.buckets, reverse=True):
-            self.ids[:bucket].zero_()
-            self.positions[:bucket].zero_()
-            if self.on_gpu:
-                torch.cuda.synchronize()
-            pool0, t0 = self._pool_bytes(), time.perf_counter()
-            recorder = _Recorder(self._mempool, self.on_gpu)
-            _RECORDING.append(recorder)
-            try:
-                hidden = self.forward(self.ids[:bucket], self.positions[:bucket],
-                                      recorder.attention)
-            finally:
-                _RECORDING.pop()
-            if len(recorder.graphs) != len(recorder.calls) + 1:
-                raise RuntimeError(f"captured {len(recorder.graphs)} pieces around "
-                                   f"{len(recorder.calls)} attention calls: the compiled graph "
-                                   "was not cut at every attention")
-            if self.on_gpu:
-                torch.cuda.synchronize()
-                hidden = _unowned(hidden)
-            self._captured[bucket] = (recorder.graphs, recorder.calls, hidden)
-            self.stats.buckets[bucket] = PieceStats(
-                bucket, (time.perf_counter() - t0) * 1e3, self._pool_bytes() - pool0)
-            self.stats.num_pieces = len(recorder.graphs)
-        self.stats.buckets = dict(sorted(self.stats.buckets.items()))
-        return self.stats
-
-    def bucket_for(self, num_tokens: int) -> int | None:
-        """The captured bucket a step of ``num_tokens`` replays at; None: larger than all."""
-        from labkit.graphs.buckets import bucket_for, check_size
-        return bucket_for(check_size("num_tokens", num_tokens), self.buckets, default=None)
-
-    @torch.inference_mode()
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
-        """The step's tokens into the static inputs, rows up to ``bucket`` padded with 0."""
-        n = input_ids.shape[0]
-        self.ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        if n < bucket:
-            self.ids[n:bucket].zero_()
-            self.positions[n:bucket].zero_()
-
-    @torch.inference_mode()
-    def run(self, num_tokens: int, attention: AttentionFn) -> torch.Tensor:
-        """Replays the bucket of ``num_tokens`` (loaded with ``load``), ``attention`` eager
-        between the pieces on the first ``num_tokens`` rows -> hidden [num_tokens, hidden]."""
-        bucket = self.bucket_for(num_tokens)
-        if bucket is None or bucket not in self._captured:
-            raise ValueError(f"num_tokens={num_tokens} has no captured bucket (largest "
-                             f"{self.buckets[-1]}; capture() first): run that step eagerly")
-        graphs, calls, hidden = self._captured[bucket]
-        n = num_tokens
-        for i, graph in enumerate(graphs):
-            graph.replay()
-            if i < len(calls):
-                layer, q, k, v, out = calls[i]
-                attention(layer, q[:n], k[:n], v[:n], out=out[:n])
-        st = self.stats.buckets[bucket]
-        st.replays += 1
-        st.real_tokens += n
-        st.padded_tokens += bucket - n
-        return hidden[:n]
 
 
 _START = """

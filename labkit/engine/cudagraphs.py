@@ -115,17 +115,17 @@ def capture_piecewise_graphs(model: LlamaModel, fused_ops: bool, buckets: Sequen
 
 
 def capture_compiled_piecewise(compiled, buckets: Sequence[int], device: torch.device):
-    """``compile=True``'s piecewise graphs (``labkit.engine.compiled.CompiledPiecewise``): the
+    """``compile=True``'s piecewise graphs (``compiled_pieces.CompiledPiecewise``): the
     compiled pieces captured per token bucket. Off a GPU each piece re-runs at replay instead
     (Inductor's CPU kernels cannot be recorded), which checks the replay's order and buffers.
     No prediction is made: Inductor's kernels run only once Dynamo has traced."""
-    from labkit.engine.compiled import CompiledPiecewise
+    from labkit.engine.compiled_pieces import CompiledPiecewise
 
     piecewise = CompiledPiecewise(compiled, buckets, device)
     stats = piecewise.capture()
     log.info(f"captured {stats.num_graphs} compiled piecewise graphs ({stats.num_pieces} "
              f"pieces x {len(stats.buckets)} token buckets up to {max(buckets)}) in "
-             f"{stats.capture_ms:.0f} ms (compile included); pool "
+             f"{stats.capture_ms:.0f} ms (after one compiling run); pool "
              f"{stats.pool_bytes / 2**20:.1f} MiB")
     return piecewise
 

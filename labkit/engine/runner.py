@@ -40,7 +40,7 @@ from labkit.engine.cudagraphs import (  # noqa: F401  (the runner's names for th
     graph_memory,
     resolve_cudagraph_mode,
 )
-from labkit.engine.compiled import CompiledPiecewise
+from labkit.engine.compiled_pieces import CompiledPiecewise
 from labkit.engine.model import LlamaModel
 from labkit.engine.pieces import PiecewiseForward
 from labkit.engine.request import ScheduledStep

@@ -56,6 +56,12 @@ class PieceStats:
     real_tokens: int = 0
     padded_tokens: int = 0
 
+    def count(self, num_tokens: int) -> None:
+        """One replay of this bucket for a step of ``num_tokens`` real tokens."""
+        self.replays += 1
+        self.real_tokens += num_tokens
+        self.padded_tokens += self.tokens - num_tokens
+
 
 @dataclass
 class PiecewiseStats:
@@ -185,8 +191,5 @@ class PiecewiseGraphs:
             graph.replay()
             if i < len(graphs) - 1:
                 between(i)
-        st = self.stats.buckets[bucket]
-        st.replays += 1
-        st.real_tokens += num_tokens
-        st.padded_tokens += bucket - num_tokens
+        self.stats.buckets[bucket].count(num_tokens)
         return bucket
