@@ -36,7 +36,7 @@ from typing import Iterator
 
 import torch
 
-from labkit.engine.compiled_pieces import _RECORDING
+from labkit.engine.compiled_pieces import RECORDING
 from labkit.engine.model import AttentionFn, LlamaModel
 
 _STEP_ATTENTION: list[AttentionFn] = []  # the step's attention function, innermost last
@@ -104,8 +104,8 @@ class _Piece(torch.nn.Module):
         self.compiled = compiled
 
     def forward(self, *args):
-        if _RECORDING:
-            return _RECORDING[-1].capture(self.compiled, args)
+        if RECORDING:
+            return RECORDING[-1].capture(self.compiled, args)
         return self.compiled(*args)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from labkit.engine.model import AttentionFn
 
-_RECORDING: list["_Recorder"] = []  # set while CompiledPiecewise captures a bucket
+RECORDING: list["_Recorder"] = []  # set while CompiledPiecewise captures a bucket
 
 
 def _unowned(t: torch.Tensor) -> torch.Tensor:
@@ -123,12 +123,12 @@ class CompiledPiecewise:
                 torch.cuda.synchronize()
             pool0, t0 = self._pool_bytes(), time.perf_counter()
             recorder = _Recorder(self._mempool, self.on_gpu)
-            _RECORDING.append(recorder)
+            RECORDING.append(recorder)
             try:
                 hidden = self.forward(self.ids[:bucket], self.positions[:bucket],
                                       recorder.attention)
             finally:
-                _RECORDING.pop()
+                RECORDING.pop()
             if len(recorder.graphs) != len(recorder.calls) + 1:
                 raise RuntimeError(f"captured {len(recorder.graphs)} pieces around "
                                    f"{len(recorder.calls)} attention calls: the compiled graph "
