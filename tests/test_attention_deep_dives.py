@@ -60,6 +60,19 @@ def test_the_l2_claim_fails_when_no_prefill_peer_beats_the_no_reuse_cap(data):
     assert held(l2_reuse_claims(data, MATMUL, TILE, IO)) == [False]
 
 
+def test_the_l2_claim_says_so_when_one_round_dips_under_the_cap(data):
+    for result in data["prefill"].values():  # one slow round each: the range reaches under the
+        result["rounds_us"][-1] *= 1.5        # cap, the median (of five) stays above it
+    made = l2_reuse_claims(data, MATMUL, TILE, IO)
+    assert held(made) == [True]
+    assert "do not settle" in made[0].text and "every round above" not in made[0].text
+
+
+def test_the_l2_claim_says_every_round_when_every_round_clears_the_cap(data):
+    made = l2_reuse_claims(data, MATMUL, TILE, IO)
+    assert "every round above that cap" in made[0].text
+
+
 def test_the_l2_claim_is_not_made_without_prefill(data, capsys):
     del data["prefill"]
     assert l2_reuse_claims(data, MATMUL, TILE, IO) == []

@@ -63,7 +63,10 @@ def start(mode: str, cache_dir: str, *, dim: int, hidden: int, tokens: int, devi
           dtype: str, timeout_s: float = 600) -> dict:
     """Run one fresh process with Inductor's caches in ``cache_dir``; its report and wall time."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
-    env.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
+    # one compile thread: the block's few kernels compile in the process itself, where
+    # Inductor's pool of compile workers costs more to start and stop than it saves
+    env.update(TORCHINDUCTOR_COMPILE_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache_dir,
+               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
                PYTHONPATH=os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     cmd = [sys.executable, "-m", "labkit.lessons.torch_compile.cold_start", "--mode", mode,
            "--dim", str(dim), "--hidden", str(hidden), "--tokens", str(tokens),
