@@ -48,7 +48,7 @@ from labkit.device import interpreter_on
 from labkit.kernels.attention_checks import (check_cache, check_cu_seqlens, check_tables,
                                              check_window, resolve_max_query_len,
                                              softmax_scale)
-from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits
+from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits, num_sms
 
 @triton.jit
 def paged_attention_kernel(
@@ -151,13 +151,6 @@ def paged_attention_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Host side: the input checks (attention_checks.py), the tile plan, then the launch.
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: small enough that the tests' small batches exercise the split
-
 
 @functools.lru_cache(maxsize=None)
 def _unused_scale(device) -> torch.Tensor:
@@ -330,7 +323,7 @@ def plan_paged_attention(fp8: bool, num_q_heads: int, cache_shape, batch: int, m
     q_tiles = cdiv(max_query_len, consts["BLOCK_Q"])
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_seq_len,
-                                       _num_sms(torch.device(device)))
+                                       num_sms(torch.device(device)))
     check_positive_int("num_splits", num_splits, hint="or None to choose")
     block_n = consts["BLOCK_N"]
     keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n

@@ -12,6 +12,8 @@ weight. A split that saw no key has ``lse_s = -inf`` and weight 0.
 """
 from __future__ import annotations
 
+import functools
+
 import labkit  # noqa: F401  (before triton: interpreter on where there is no GPU)
 import torch
 import triton
@@ -25,6 +27,15 @@ MAX_SPLITS = 64
 WAVES = 4  # programs per SM wanted. A program streams its keys alone; with too few of them the
 # memory system idles while each ramps up: ``long_context`` in
 # labkit/recorded_data/attention_backends.json has small batches split and unsplit on an H200.
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The SMs a split plan fills: the GPU's count, or 4 under the interpreter (small enough
+    that the tests' small batches take the split path)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:

@@ -105,3 +105,33 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_len
         out[qs] = attention_one_sequence(q[qs].to(compute_dtype), k, v, causal=causal,
                                          window=window, scale=scale)
     return out
+
+
+def paged_mla_attention_ref(q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q,
+                            seq_lens, *, scale: float, causal: bool = True,
+                            compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """MLA's absorbed attention over a paged latent cache, one sequence at a time.
+
+    q_latent: [total_q, H, R]; q_rope: [total_q, H, P]; latent_cache: [num_blocks, block_size,
+    R + P], each row c_kv (R values) then k_pe (P values); block_tables, cu_seqlens_q, seq_lens
+    as for ``paged_attention_ref`` -> [total_q, H, R]. Every head scores
+    ``q_latent . c_kv + q_rope . k_pe`` and averages ``c_kv`` itself: one shared latent, no
+    per-head keys or values.
+    """
+    rank = q_latent.shape[-1]
+    out = torch.zeros(q_latent.shape, dtype=compute_dtype, device=q_latent.device)
+    cq, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        if cq[b + 1] == cq[b]:
+            continue
+        qs = slice(cq[b], cq[b + 1])
+        latent = gather_kv(latent_cache[:, :, None, :], block_tables[b], seq_len, None,
+                           compute_dtype)[:, 0]  # [seq_len, R + P]
+        c_kv, k_pe = latent[:, :rank], latent[:, rank:]
+        ql, qr = q_latent[qs].to(compute_dtype), q_rope[qs].to(compute_dtype)
+        scores = (torch.einsum("qhr,kr->hqk", ql, c_kv)
+                  + torch.einsum("qhp,kp->hqk", qr, k_pe)) * scale
+        mask = visible_mask(ql.shape[0], seq_len, causal=causal, window=None, device=ql.device)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[qs] = torch.einsum("hqk,kr->qhr", probs, c_kv)
+    return out

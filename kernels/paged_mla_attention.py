@@ -1,0 +1,322 @@
+"""Paged MLA attention in Triton: every query head reads one shared latent per cached token.
+
+What you will learn: why DeepSeek's multi-head latent attention (MLA) is MQA-like once its
+up-projections are absorbed, and what that makes of a decode kernel. Per token and layer the
+cache holds one row of ``kv_lora_rank + qk_rope_head_dim`` values (512 + 64 = 576 in
+DeepSeek-V2/V3): the compressed ``c_kv``, then the rotary key ``k_pe``, shared by all heads.
+Head h's key is ``[W_UK_h c_kv ; k_pe]`` and its value ``W_UV_h c_kv``. Multiplying ``W_UK_h``
+into the query once (``q_latent_h = q_nope_h W_UK_h``, done by the caller) and ``W_UV_h`` into
+the output afterwards leaves attention over the latent itself:
+
+    score_h(i, j) = (q_latent_h[i] . c_kv[j] + q_rope_h[i] . k_pe[j]) * scale
+    out_h[i]      = sum_j softmax_j(score_h(i, :)) c_kv[j]            ([kv_lora_rank] wide)
+
+So the cache is a single "KV head" 576 wide, read by every query head, and the value is the
+key's first ``kv_lora_rank`` columns. A program owns one sequence, a group of ``HEADS`` query
+heads and a tile of new tokens; its rows are (token, head) pairs, as in ``paged_attention``'s
+GQA groups. Each latent tile is loaded once for the whole group and used twice: as keys (with
+``k_pe``) and as values. Decode reads every cached byte once per head group, so the larger the
+group the closer it runs to the copy bandwidth, until the accumulator (rows x kv_lora_rank
+float32) no longer fits in registers. Long contexts with few sequences are split across
+programs and merged exactly as ``paged_attention`` does (``paged_attention_split.py``).
+
+Masking is ``paged_attention``'s: a sequence's new tokens are the last ``len_q`` of its
+``seq_lens`` tokens, and with ``causal`` token i sees keys up to its own position.
+The reference is ``paged_mla_attention_ref`` in ``labkit/attention/reference.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import labkit  # noqa: F401  (before triton: interpreter on where there is no GPU)
+import torch
+import triton
+import triton.language as tl
+from labkit import check_positive_int
+from labkit.device import interpreter_on
+from labkit.kernels.attention_checks import (QUERY_DTYPES, check_cu_seqlens, check_flag,
+                                             check_tables, check_tensors, resolve_max_query_len,
+                                             softmax_scale)
+from labkit.kernels.grid import cdiv, next_power_of_2
+from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits, num_sms
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def paged_mla_kernel(
+        QL, QR, Cache, block_tables, cu_seqlens_q, seq_lens, Out, Lse,
+        stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cb, stride_cs, stride_bt,
+        stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+        num_heads, qk_scale, num_splits, keys_per_split,
+        HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+        ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+        SPLIT: tl.constexpr):
+    seq = tl.program_id(0)
+    head_group = tl.program_id(1)
+    q_tile = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    q_row0 = tl.load(cu_seqlens_q + seq).to(tl.int64)
+    len_q = (tl.load(cu_seqlens_q + seq + 1) - q_row0).to(tl.int32)
+    seq_len = tl.load(seq_lens + seq)
+    if q_tile * BLOCK_Q >= len_q:
+        return
+
+    # Rows are (new token, query head of this group) pairs; heads past num_heads are masked.
+    offs_r = tl.arange(0, BLOCK_Q * HEADS)
+    token = q_tile * BLOCK_Q + offs_r // HEADS
+    head = head_group * HEADS + offs_r % HEADS
+    row_ok = (token < len_q) & (head < num_heads)
+    pos = seq_len - len_q + token  # where each new token sits in its sequence
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, RANK)
+    offs_p = tl.arange(0, ROPE)
+    q_rows = (q_row0 + token)[:, None]
+    q_lat = tl.load(QL + q_rows * stride_qlt + head[:, None] * stride_qlh + offs_c[None, :],
+                    mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(QR + q_rows * stride_qrt + head[:, None] * stride_qrh + offs_p[None, :],
+                   mask=row_ok[:, None], other=0.0)
+
+    lo = 0
+    hi = seq_len
+    if CAUSAL:  # nothing after this tile's last token
+        hi = tl.maximum(seq_len - len_q + tl.minimum((q_tile + 1) * BLOCK_Q, len_q), 0)
+    if SPLIT:
+        lo = tl.maximum(lo, split * keys_per_split)
+        hi = tl.minimum(hi, (split + 1) * keys_per_split)
+
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_Q * HEADS], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * HEADS], tl.float32)
+    acc = tl.zeros([BLOCK_Q * HEADS, RANK], tl.float32)
+    for n in range(lo, hi, BLOCK_N):
+        keys = n + offs_n
+        in_range = keys < hi
+        block = tl.load(table + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        latent = Cache + (block * stride_cb + (keys % BLOCK_SIZE) * stride_cs)[:, None]
+        c_kv = tl.load(latent + offs_c[None, :], mask=in_range[:, None], other=0.0)  # [N, RANK]
+        k_pe = tl.load(latent + RANK + offs_p[None, :], mask=in_range[:, None], other=0.0)
+        # one tile, two uses: c_kv is the key's latent part here and the value below
+        s = tl.dot(q_lat, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # [rows, N]
+        ok = in_range[None, :]
+        if CAUSAL:
+            ok = ok & (keys[None, :] <= pos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain, as in flash_attention
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None])
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    rows = (q_row0 + token)[:, None]
+    if SPLIT:  # a partial result and its log-sum-exp, merged by paged_attention_split
+        o_ptrs = Out + rows * stride_ot + head[:, None] * stride_oh + split * stride_os
+        tl.store(o_ptrs + offs_c[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.maximum(l_i, 1e-30)))
+        tl.store(Lse + (q_row0 + token) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+    else:
+        o_ptrs = Out + rows * stride_ot + head[:, None] * stride_oh + offs_c[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: the checks, the tile plan, the launch.
+
+def _check_width(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two of at least 16 (tl.dot's smallest "
+                         f"tile and tl.arange's rule), got {value}; DeepSeek-V2/V3 use 512 "
+                         "and 64")
+
+
+def check_mla_inputs(q_latent, q_rope, latent_cache, out=None) -> tuple[int, int]:
+    """Shapes, dtypes, devices and layouts; returns (kv_lora_rank, qk_rope_head_dim)."""
+    check_tensors(q_latent=q_latent, q_rope=q_rope, latent_cache=latent_cache)
+    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2]:
+        raise ValueError("q_latent must be [tokens, num_heads, kv_lora_rank] and q_rope "
+                         "[tokens, num_heads, qk_rope_head_dim] with the same tokens and heads; "
+                         f"got {tuple(q_latent.shape)} and {tuple(q_rope.shape)}")
+    rank, rope = q_latent.shape[2], q_rope.shape[2]
+    _check_width("kv_lora_rank (q_latent's last dim)", rank)
+    _check_width("qk_rope_head_dim (q_rope's last dim)", rope)
+    if latent_cache.dim() != 3 or latent_cache.shape[2] != rank + rope:
+        raise ValueError("latent_cache must be [num_blocks, block_size, kv_lora_rank + "
+                         f"qk_rope_head_dim = {rank + rope}] (c_kv then k_pe), got "
+                         f"{tuple(latent_cache.shape)}")
+    if q_latent.dtype not in QUERY_DTYPES:
+        raise TypeError(f"q_latent must be one of {QUERY_DTYPES}, got {q_latent.dtype}")
+    if q_rope.dtype != q_latent.dtype or latent_cache.dtype != q_latent.dtype:
+        raise TypeError(f"q_latent, q_rope and latent_cache must share one dtype, got "
+                        f"{q_latent.dtype}, {q_rope.dtype}, {latent_cache.dtype}")
+    if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1:
+        raise ValueError("the last axis of q_latent and q_rope must be contiguous (stride 1); "
+                         "call .contiguous() first")
+    if not latent_cache.is_contiguous():
+        raise ValueError("latent_cache must be a contiguous [num_blocks, block_size, width] "
+                         "tensor; pass .contiguous() (or the cache itself)")
+    if len({q_latent.device, q_rope.device, latent_cache.device}) != 1:
+        raise ValueError(f"q_latent, q_rope and latent_cache are on different devices: "
+                         f"{q_latent.device}, {q_rope.device}, {latent_cache.device}")
+    if out is not None:
+        check_tensors(out=out)
+        if out.shape != q_latent.shape or out.dtype != q_latent.dtype or \
+                out.device != q_latent.device or out.stride(-1) != 1:
+            raise ValueError(f"out must be {q_latent.dtype} {tuple(q_latent.shape)} on "
+                             f"{q_latent.device} with a contiguous last axis, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+    return rank, rope
+
+
+@dataclass(frozen=True)
+class MLAPlan:
+    """What one batch's launches share (tile constants, grid, KV split): an engine plans once per
+    step and runs the plan in every layer."""
+    consts: dict
+    launch: dict
+    grid: tuple[int, int, int]
+    num_splits: int
+    keys_per_split: int
+    scale: float
+    block_size: int
+
+    def run(self, q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q, seq_lens,
+            out=None):
+        """The launch: -> ``out`` [total_q, num_heads, kv_lora_rank] (allocated when None)."""
+        out = torch.empty_like(q_latent) if out is None else out
+        total_q, num_heads, rank = q_latent.shape
+        if total_q == 0 or self.grid[0] == 0:
+            return out
+        split = self.num_splits > 1
+        if split:
+            dest = torch.empty(total_q, num_heads, self.num_splits, rank, dtype=torch.float32,
+                               device=q_latent.device)
+            lse = torch.empty(total_q, num_heads, self.num_splits, dtype=torch.float32,
+                              device=q_latent.device)
+            lse_strides = (lse.stride(0), lse.stride(1))
+        else:
+            dest, lse, lse_strides = out, out, (0, 0)
+        paged_mla_kernel[self.grid](
+            q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q, seq_lens, dest, lse,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+            latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
+            dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
+            num_heads, self.scale * LOG2_E, self.num_splits, self.keys_per_split,
+            RANK=rank, ROPE=q_rope.shape[2], BLOCK_SIZE=self.block_size, SPLIT=split,
+            **self.consts, **self.launch)
+        if split:
+            merge_splits(dest, lse, out)
+        return out
+
+
+def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: int,
+             max_query_len: int, device, *, scale: float, causal: bool = True,
+             num_splits: int | None = None) -> MLAPlan:
+    """The tile plan for ``batch`` sequences, the longest ``max_seq_len`` tokens with
+    ``max_query_len`` new ones. Heads are grouped so that a program's rows (tokens x heads) reach
+    the 16 that tl.dot needs and stay within what its registers hold: the accumulator is
+    rows x kv_lora_rank float32."""
+    interp = interpreter_on()
+    row_cap = 16 if interp else (32 if rank <= 512 else 16)
+    heads = min(next_power_of_2(num_heads), row_cap)
+    block_q = min(next_power_of_2(max(max_query_len, 1)), max(1, row_cap // heads))
+    if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
+        heads = max(heads, 16)
+    block_q = max(block_q, 16 // heads)
+    block_n = 16 if interp else 32
+    rows = block_q * heads
+    launch = {"num_warps": 8 if rows >= 32 else 4, "num_stages": 2}
+    head_groups = cdiv(num_heads, heads)
+    q_tiles = cdiv(max(max_query_len, 1), block_q)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * head_groups * q_tiles, max_seq_len,
+                                       num_sms(torch.device(device)))
+    check_positive_int("num_splits", num_splits, hint="or None to choose")
+    keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    consts = {"HEADS": heads, "BLOCK_Q": block_q, "BLOCK_N": block_n, "CAUSAL": bool(causal)}
+    grid = (batch if max_query_len > 0 else 0, head_groups, q_tiles * num_splits)
+    return MLAPlan(consts, launch, grid, num_splits, keys_per_split, scale, cache_shape[1])
+
+
+def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q, seq_lens,
+                        *, scale: float, causal: bool = True, check: bool = True,
+                        num_splits: int | None = None, max_query_len: int | None = None,
+                        out=None):
+    """q_latent: [total_q, num_heads, kv_lora_rank] (q_nope already multiplied by W_UK);
+    q_rope: [total_q, num_heads, qk_rope_head_dim]; latent_cache: [num_blocks, block_size,
+    kv_lora_rank + qk_rope_head_dim] (c_kv then k_pe); block_tables: int32 [batch, max_blocks];
+    cu_seqlens_q: int32 [batch + 1]; seq_lens: int32 [batch] -> [total_q, num_heads,
+    kv_lora_rank], still to be multiplied by W_UV.
+
+    ``scale`` is the model's softmax scale (DeepSeek: 1/sqrt(qk_nope_head_dim +
+    qk_rope_head_dim), not anything of the latent's width), so it has no default.
+    ``num_splits`` forces the split-KV path (>1) or turns it off (1); None chooses by occupancy.
+    ``check=False`` skips the checks that read the metadata (host syncs); with ``max_query_len``
+    given as well the call never waits for the GPU, as CUDA Graph capture needs. ``out``
+    receives the result (a static buffer under capture).
+    """
+    rank, _ = check_mla_inputs(q_latent, q_rope, latent_cache, out)
+    check_flag("causal", causal)
+    check_flag("check", check)
+    if scale is None:
+        raise ValueError("scale must be given: MLA's softmax scale comes from the model "
+                         "(1/sqrt(qk_nope_head_dim + qk_rope_head_dim)), not from the latent")
+    scale = softmax_scale(scale, rank)
+    total_q = q_latent.shape[0]
+    longest_q = check_cu_seqlens(cu_seqlens_q, total_q, "cu_seqlens_q", q_latent.device, check)
+    num_blocks, block_size, _ = latent_cache.shape
+    max_seq_len = check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size,
+                               q_latent.device, check)
+    if max_seq_len is None:  # unchecked: plan for the longest sequence the table can hold
+        max_seq_len = block_tables.shape[1] * block_size
+    max_query_len = resolve_max_query_len(max_query_len, longest_q, cu_seqlens_q, total_q,
+                                          "max_query_len", "new tokens")
+    if num_splits is not None:
+        check_positive_int("num_splits", num_splits, hint="or None to choose")
+    if out is None:
+        out = torch.empty_like(q_latent)
+    if total_q == 0 or max_query_len == 0:
+        return out
+    plan = plan_mla(q_latent.shape[1], rank, latent_cache.shape, block_tables.shape[0],
+                    max_seq_len, max_query_len, q_latent.device, scale=scale, causal=causal,
+                    num_splits=num_splits)
+    return plan.run(q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q, seq_lens, out)
+
+
+if __name__ == "__main__":
+    from labkit.attention.reference import paged_mla_attention_ref
+    from labkit.measure.bench import gbps, measure
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    rank, rope, heads, block_size = (512, 64, 16, 64) if dev == "cuda" else (32, 16, 4, 16)
+    lens_q, seq_lens = [1, 3, 0, 21], [70, 33, 5, 40]  # decode, verify, idle, chunk
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cache = torch.randn(24, block_size, rank + rope, generator=g).to(dev, dtype)
+    table = torch.randperm(24, generator=g)[:20].reshape(4, 5).int().to(dev)
+    ql = torch.randn(sum(lens_q), heads, rank, generator=g).to(dev, dtype)
+    qr = torch.randn(sum(lens_q), heads, rope, generator=g).to(dev, dtype)
+    cu = torch.tensor([0, 1, 4, 4, 25], dtype=torch.int32, device=dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    scale = (128 + 64) ** -0.5
+    ref = paged_mla_attention_ref(ql, qr, cache, table, cu, lens, scale=scale)
+    for splits in (1, 3):
+        out = paged_mla_attention(ql, qr, cache, table, cu, lens, scale=scale, num_splits=splits)
+        err = (out.double() - ref).abs().max().item()
+        print(f"mixed batch {lens_q} new tokens over {seq_lens}, {splits} split(s): "
+              f"max abs error vs float64 {err:.2e}")
+        assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), "paged_mla_attention is wrong"
+    if dev == "cuda":
+        B, ctx = 64, 4096
+        cache = torch.randn(B * ctx // block_size, block_size, rank + rope, device=dev,
+                            dtype=dtype)
+        table = torch.randperm(B * ctx // block_size, device=dev).reshape(B, -1).int()
+        ql = torch.randn(B, heads, rank, device=dev, dtype=dtype)
+        qr = torch.randn(B, heads, rope, device=dev, dtype=dtype)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        t = measure(lambda: paged_mla_attention(ql, qr, cache, table, cu, lens, scale=scale,
+                                                max_query_len=1, check=False), device=dev)
+        print(f"MLA decode B{B} {heads} heads ctx {ctx}: {t}, "
+              f"{gbps(cache.numel() * cache.element_size(), t):.0f} GB/s of latent cache")

@@ -1,0 +1,192 @@
+"""paged_mla_attention against its float64 reference, and the absorption algebra it rests on.
+
+On CPU the kernel runs in Triton's interpreter (float32/float16, small widths); the tests marked
+``gpu`` run DeepSeek's widths (kv_lora_rank 512, rope 64) in bf16, and inside a CUDA Graph.
+Every random test prints its seed on failure, so a failure can be replayed.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import labkit  # noqa: F401
+from labkit.attention import paged_attention_ref, paged_mla_attention, paged_mla_attention_ref
+
+from attention_cases import cu_seqlens, fresh_seed, max_err, rel_err
+
+RANK, ROPE = 32, 16          # interpreter-sized latent and rotary widths (DeepSeek: 512, 64)
+SCALE = 1 / math.sqrt(24 + ROPE)  # the model's: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3}
+
+
+def mla_batch(lens_q, seq_lens, heads, block_size, dtype, seed, *, rank=RANK, rope=ROPE,
+              device="cpu", spare_blocks=1):
+    """A paged latent cache whose blocks are scattered, and the absorbed queries for it."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    width = max([math.ceil(n / block_size) for n in seq_lens] + [0]) + spare_blocks
+    num_blocks = len(seq_lens) * width + 3
+    table = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * width]
+    table = table.reshape(len(seq_lens), width).int().to(device)
+    cache = torch.randn(num_blocks, block_size, rank + rope, generator=g).to(device, dtype)
+    q_latent = torch.randn(sum(lens_q), heads, rank, generator=g).to(device, dtype)
+    q_rope = torch.randn(sum(lens_q), heads, rope, generator=g).to(device, dtype)
+    return (q_latent, q_rope, cache, table, cu_seqlens(lens_q, device),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+@st.composite
+def mixed_batches(draw):
+    """A batch mixing decodes, verify-sized queries, chunks and idle sequences, lengths off the
+    block size, and a head count that leaves a group part-filled."""
+    n = draw(st.integers(1, 4))
+    seq_lens = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
+    lens_q = [draw(st.integers(0, min(s, 20))) for s in seq_lens]
+    return (lens_q, seq_lens, draw(st.sampled_from([1, 3, 16, 20])),
+            draw(st.sampled_from([8, 16])), draw(st.sampled_from([None, 1, 3])),
+            draw(st.booleans()))
+
+
+@settings(max_examples=12, deadline=None)
+@given(mixed_batches(), st.integers(0, 2**32 - 1))
+def test_mla_matches_the_reference_on_random_mixed_batches(case, seed):
+    lens_q, seq_lens, heads, block_size, num_splits, causal = case
+    args = mla_batch(lens_q, seq_lens, heads, block_size, torch.float32, seed)
+    out = paged_mla_attention(*args, scale=SCALE, causal=causal, num_splits=num_splits)
+    ref = paged_mla_attention_ref(*args, scale=SCALE, causal=causal)
+    err = max_err(out, ref)
+    assert err < TOL[torch.float32], f"seed {seed} case {case}: max error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mla_decode_verify_chunk_and_idle_in_one_batch(dtype, num_splits):
+    seed = fresh_seed()
+    args = mla_batch([1, 4, 0, 19, 1], [70, 33, 5, 40, 1], 16, 16, dtype, seed)
+    err = max_err(paged_mla_attention(*args, scale=SCALE, num_splits=num_splits),
+                  paged_mla_attention_ref(*args, scale=SCALE))
+    assert err < TOL[dtype], f"seed {seed}: {dtype} splits {num_splits}: {err:.2e}"
+
+
+def test_absorbed_attention_equals_attention_over_decompressed_keys_and_values():
+    """The reason the kernel exists: W_UK folded into the query and W_UV applied after the
+    output give what ordinary per-head attention gives over keys [c_kv W_UK_h ; k_pe] and
+    values c_kv W_UV_h (checked in float64 through paged_attention_ref)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    heads, nope, block_size = 3, 24, 8
+    v_dim = nope + ROPE  # paged_attention_ref returns q's width
+    q_latent, q_rope, cache, table, cu, lens = mla_batch([1, 3, 6], [30, 17, 6], heads,
+                                                         block_size, torch.float64, seed)
+    w_uk = torch.randn(heads, RANK, nope, generator=g, dtype=torch.float64) / RANK ** 0.5
+    w_uv = torch.randn(heads, RANK, v_dim, generator=g, dtype=torch.float64) / RANK ** 0.5
+    q_nope = torch.randn(q_latent.shape[0], heads, nope, generator=g, dtype=torch.float64)
+    # decompressed: per-head keys and values, as a model without absorption would cache them
+    c_kv, k_pe = cache[..., :RANK], cache[..., RANK:]
+    k_cache = torch.cat([torch.einsum("bsr,hrn->bshn", c_kv, w_uk),
+                         k_pe[:, :, None, :].expand(-1, -1, heads, -1)], dim=-1)
+    v_cache = torch.einsum("bsr,hrv->bshv", c_kv, w_uv)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    decompressed = paged_attention_ref(q, k_cache, v_cache.contiguous(), table, cu, lens,
+                                       scale=SCALE)
+    # absorbed: W_UK into the query, attention over the latent, W_UV after
+    q_absorbed = torch.einsum("thn,hrn->thr", q_nope, w_uk)
+    latent_out = paged_mla_attention_ref(q_absorbed, q_rope, cache, table, cu, lens, scale=SCALE)
+    absorbed = torch.einsum("thr,hrv->thv", latent_out, w_uv)
+    assert max_err(absorbed, decompressed) < 1e-10, f"seed {seed}: the algebra does not hold"
+    # and the kernel gives the same as its reference on those absorbed queries
+    args = (q_absorbed.float(), q_rope.float(), cache.float(), table, cu, lens)
+    assert max_err(paged_mla_attention(*args, scale=SCALE), latent_out) < TOL[torch.float32]
+
+
+def test_a_query_before_every_key_and_an_idle_batch_give_zeros_and_empties():
+    seed = fresh_seed()
+    # non-causal over an empty context: nothing to attend to, zeros out
+    args = mla_batch([2], [0], 4, 16, torch.float32, seed)
+    args = (*args[:5], torch.tensor([2], dtype=torch.int32))  # 2 new tokens, cache of 2
+    out = paged_mla_attention(*args, scale=SCALE)
+    assert max_err(out, paged_mla_attention_ref(*args, scale=SCALE)) < 1e-4
+    empty = mla_batch([0, 0], [5, 9], 4, 16, torch.float32, seed)
+    assert paged_mla_attention(*empty, scale=SCALE).shape == (0, 4, RANK)
+
+
+def test_unchecked_calls_with_an_out_buffer_give_the_checked_answer():
+    seed = fresh_seed()
+    args = mla_batch([1, 3], [40, 21], 8, 16, torch.float32, seed)
+    checked = paged_mla_attention(*args, scale=SCALE)
+    out = torch.full_like(checked, float("nan"))
+    got = paged_mla_attention(*args, scale=SCALE, check=False, max_query_len=3, out=out)
+    assert got is out and torch.equal(out, checked), f"seed {seed}: check=False changed it"
+
+
+def _bad(**change):
+    q_latent, q_rope, cache, table, cu, lens = mla_batch([1, 2], [9, 20], 4, 16,
+                                                         torch.float32, 0)
+    args = dict(q_latent=q_latent, q_rope=q_rope, latent_cache=cache, block_tables=table,
+                cu_seqlens_q=cu, seq_lens=lens, scale=SCALE)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(q_latent=torch.zeros(3, 4, 24)), ValueError, "kv_lora_rank"),
+    (dict(q_rope=torch.zeros(3, 4, 8)), ValueError, "qk_rope_head_dim"),
+    (dict(q_rope=torch.zeros(3, 2, ROPE)), ValueError, "same tokens and heads"),
+    (dict(latent_cache=torch.zeros(10, 16, RANK)), ValueError, "c_kv then k_pe"),
+    (dict(latent_cache=torch.zeros(10, 16, RANK + ROPE, dtype=torch.float16)), TypeError,
+     "one dtype"),
+    (dict(scale=None), ValueError, "scale must be given"),
+    (dict(scale=-1.0), ValueError, "scale must be a finite positive"),
+    (dict(causal="yes"), TypeError, "causal must be True or False"),
+    (dict(block_tables=torch.full((2, 3), 99, dtype=torch.int32)), ValueError, "block ids"),
+    (dict(seq_lens=torch.tensor([9, 1], dtype=torch.int32)), ValueError, "seq_lens"),
+    (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(out=torch.zeros(3, 4, RANK, dtype=torch.float16)), ValueError, "out must be"),
+    (dict(q_latent=[[0.0]]), TypeError, "q_latent must be a torch.Tensor"),
+])
+def test_bad_input_names_the_parameter_and_the_limit(change, error, words):
+    with pytest.raises(error, match=words):
+        paged_mla_attention(**_bad(**change))
+
+
+# --- on a GPU: DeepSeek's widths in bf16, and inside a CUDA Graph -----------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_splits", [1, None, 7])
+def test_gpu_mla_bf16_at_deepseek_widths_relative_error_below_1e_2(heads, num_splits):
+    seed = fresh_seed()
+    args = mla_batch([1, 1, 4, 200, 0], [4000, 17, 900, 1200, 3], heads, 64, torch.bfloat16,
+                     seed, rank=512, rope=64, device="cuda")
+    err = rel_err(paged_mla_attention(*args, scale=192 ** -0.5, num_splits=num_splits),
+                  paged_mla_attention_ref(*args, scale=192 ** -0.5))
+    assert err < 1e-2, f"seed {seed}: {heads} heads splits {num_splits}: {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_mla_decode_replays_in_a_cuda_graph_with_new_inputs():
+    seed = fresh_seed()
+    q_latent, q_rope, cache, table, cu, lens = mla_batch(
+        [1, 1, 1, 1], [100, 37, 2048, 9], 16, 64, torch.bfloat16, seed, rank=512, rope=64,
+        device="cuda")
+    out = torch.empty_like(q_latent)
+
+    def step():  # no host sync: check=False and max_query_len given, as in a captured decode
+        paged_mla_attention(q_latent, q_rope, cache, table, cu, lens, scale=192 ** -0.5,
+                            check=False, max_query_len=1, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    q_latent.copy_(torch.randn(q_latent.shape, generator=g).to("cuda", torch.bfloat16))
+    lens.copy_(torch.tensor([90, 64, 1500, 12], dtype=torch.int32))
+    graph.replay()
+    ref = paged_mla_attention_ref(q_latent, q_rope, cache, table, cu, lens, scale=192 ** -0.5)
+    assert rel_err(out, ref) < 1e-2, f"seed {seed}: the replay did not read the new inputs"
