@@ -41,7 +41,8 @@ CONCEPTS = [
      ("02 §1", "02.1"), True),
     ("The static_in = next_batch pitfall vs static_in.copy_(next_batch)", ("02 §2", "01.1"), False),
     ("Graph costs: capture time, memory, one graph per bucket", ("02 §3", "02.2"), True),
-    ("Graphs help decode (many short kernels), not long prefill", ("01 §3", "07 §3"), True),
+    ("Graphs help decode (many short kernels), not long prefill; short prefill chunks and "
+     "mixed steps replay piecewise", ("01 §3", "07 §3", "07 §4"), True),
     ("Reading the profiler: CPU gaps before small kernels", ("01 §1", "07a §1"), True),
     ("Graphs vs kernels chosen by context length: (batch, context) buckets",
      ("02 §2", "02 §3"), True),
@@ -57,7 +58,7 @@ CONCEPTS = [
     ("Paging, continuous batching and prefix caching", ("05 §1", "05 §3", "05.2", "08 §1"), False),
     ("MLA: one shared latent per token, weight absorption", ("05 §1", "06 §3"), False),
     ("Speculative verification: several new tokens checked in one forward", (), True),
-    ("Piecewise vs full CUDA graphs inside the engine", ("03 §3",), True),
+    ("Piecewise vs full CUDA graphs inside the engine", ("03 §3", "07 §4", "08 §1"), True),
 ]
 
 # (stem, what the learner sees, what needs a GPU, what the CPU shows instead)

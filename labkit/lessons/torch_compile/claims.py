@@ -189,8 +189,10 @@ def guard_claims(table: pd.DataFrame, entries: int, *, device: str) -> list:
     extra = Spread.of([b - a for a, b in zip(e, o)])
     many_vs_one = _ratio(m, o)
     return [
-        claim("On {device}, a compiled tiny add costs {o} us per call against {e} us eager: "
-              "{extra} us more in every round, the frame hook and guard check paid on each call.",
+        claim("On {device}, a compiled tiny add costs {o} us per call against {e} us eager, "
+              "{extra} us more in every round: what entering the compiled function costs as a "
+              "whole (Dynamo's frame hook, the guard check, the FX graph's Python call), not the "
+              "guard check alone.",
               entry.above(1.0), device=device, o=f"{wall_spread(table, one):.2f}",
               e=f"{wall_spread(table, 'eager'):.2f}", extra=f"{extra:.2f}"),
         claim("With {n} graphs cached, the first-compiled shape costs {r:.2fx} of the one-graph "

@@ -1,4 +1,5 @@
-"""What a call costs once compiled: the modes, ``dynamic=True`` and the guard check, timed fairly.
+"""What a call costs once compiled: the modes, ``dynamic=True`` and the compiled entry, timed
+fairly.
 
 A small block at decode batch sizes is *host-bound*: its kernels finish long before Python has
 launched the next one. Then a steady-state timing measures the host's work per call (Python,
@@ -177,9 +178,11 @@ def dynamic_cost(model: torch.nn.Module, x: torch.Tensor, rounds: int = 5, repea
 
 
 def guard_rounds(entries: int = 8, dim: int = 16, rounds: int = 5, repeats: int = 15) -> Rounds:
-    """Per-call cost of entering a compiled function: Dynamo's frame hook and its guard checks.
+    """Per-call cost of entering a compiled function: Dynamo's frame hook, its guard checks and
+    the FX graph's own Python call.
 
-    The work is one tiny add compiled with the ``eager`` backend, so what is timed is the entry.
+    The work is one tiny add compiled with the ``eager`` backend, so what is timed is the entry
+    as a whole; the guard check alone is not separated from the rest.
     ``entries`` graphs cached (one per shape) against one: a call to the first-compiled shape
     may check other entries' guards before it finds its own.
     """
