@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from labkit.graphs import emulated_cuda
+from labkit.teaching import exercises
 from labkit.teaching.check import check
 
 
@@ -40,6 +41,36 @@ def test_waiting_for_the_whole_copy_stream_is_right_too():
 def test_each_mistake_fails_with_its_reason(mistake, reason):
     result = check("04.2", lambda *a: prefetch(*a, **mistake), device="cpu")
     assert not result.passed and reason in result.message, result.message
+
+
+def test_on_a_gpu_one_case_runs_on_the_stand_in_and_a_missing_wait_fails_it():
+    ex = exercises.get("04.2")
+    stand_in = [c for c in ex.cases(0, torch.device("cuda")) if c.args[1] is None]
+    assert len(stand_in) == 1
+    got = ex.run(lambda *a: prefetch(*a, wait=False), stand_in[0])
+    assert got["outputs"][0].isnan().all()
+    right = ex.run(prefetch, stand_in[0])["outputs"]
+    assert all(map(torch.equal, right, ex.expected(stand_in[0])["outputs"]))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_handshake_passes():
+    assert check("04.2", prefetch, device="cuda").passed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mistake,reason", [({"wait": False}, "wait_event(ready)"),
+                                            ({"record": False}, "record_stream")])
+def test_on_the_gpu_each_mistake_fails_with_its_reason(mistake, reason):
+    result = check("04.2", lambda *a: prefetch(*a, **mistake), device="cuda")
+    assert not result.passed and reason in result.message, repr(result)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_late_copy_alone_catches_a_missing_wait():
+    result = check("04.2", lambda *a: prefetch(*a, wait=False), device="cuda")
+    late = [c for c in result.cases if c.label.endswith("late copy")]
+    assert late and not any(c.passed for c in late), repr(result)
 
 
 # --- the stand-in's streams ---------------------------------------------------------------------

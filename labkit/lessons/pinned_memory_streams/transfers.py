@@ -271,7 +271,7 @@ def early_reuse(safe: bool, n_batches: int = 16, numel: int = 1 << 18, sleep_ms:
     outs = []
     for batch in batches:
         with torch.cuda.stream(copy_stream):
-            gpu_sleep(sleep_ms, dev)   # the copy engine's queue is busy with earlier work
+            gpu_sleep(sleep_ms, dev)   # the copy stream is busy with earlier work
         if safe:
             outs.append(pool.copy_async(batch))
             continue

@@ -107,7 +107,7 @@ class CudaRing(SimRing):
 
     def copy_async(self, i: int, n: int):
         with torch.cuda.stream(self.copy_stream):
-            self._sleep(0.5, self.device)  # the copy engine is still busy with earlier work
+            self._sleep(0.5, self.device)  # the copy stream is still busy with earlier work
             dst = torch.empty(n, dtype=torch.int64, device=self.device)
             dst.copy_(self.buffers[i][:n], non_blocking=True)
             done = torch.cuda.Event()
