@@ -23,7 +23,7 @@ EXERCISES = exercises.all_exercises()
 IDS = sorted(EXERCISES)
 TASK = re.compile(r"# BEGIN SOLUTION exercise (\d\d\.\d+):")
 # What the untouched stub's failure must say (default: "Not written yet: exercise <id>").
-STUB_SAYS = {"04.1": "Before refilling a buffer", "06.1": "still the stub",
+STUB_SAYS = {"04.2": "Before refilling a buffer", "06.1": "still the stub",
              "06.2": "still the stub"}
 
 
@@ -201,7 +201,7 @@ def test_waiting_for_the_whole_copy_stream_is_right_but_too_much():
         dst, ring.last_copy[i] = ring.copy_async(i, len(batch))
         return dst
 
-    result = check("04.1", send_batch, device="cpu")
+    result = check("04.2", send_batch, device="cpu")
     assert not result.passed and "never more than 1 copy was in flight" in result.message
 
 

@@ -1,4 +1,4 @@
-"""Exercise 04.2: the copy-stream handshake in PyTorch's raw calls, checked through ``cuda``
+"""Exercise 04.1: the copy-stream handshake in PyTorch's raw calls, checked through ``cuda``
 (torch.cuda on a GPU, labkit's stand-in here), and the stand-in's stream rules themselves."""
 import pytest
 import torch
@@ -29,22 +29,22 @@ def prefetch(cuda, hosts, compute, device, *, wait=True, record=True, event=True
 
 
 def test_the_handshake_passes():
-    assert check("04.2", prefetch, device="cpu").passed
+    assert check("04.1", prefetch, device="cpu").passed
 
 
 def test_waiting_for_the_whole_copy_stream_is_right_too():
-    assert check("04.2", lambda *a: prefetch(*a, event=False), device="cpu").passed
+    assert check("04.1", lambda *a: prefetch(*a, event=False), device="cpu").passed
 
 
 @pytest.mark.parametrize("mistake,reason", [({"wait": False}, "wait_event(ready)"),
                                             ({"record": False}, "record_stream")])
 def test_each_mistake_fails_with_its_reason(mistake, reason):
-    result = check("04.2", lambda *a: prefetch(*a, **mistake), device="cpu")
+    result = check("04.1", lambda *a: prefetch(*a, **mistake), device="cpu")
     assert not result.passed and reason in result.message, result.message
 
 
 def test_on_a_gpu_one_case_runs_on_the_stand_in_and_a_missing_wait_fails_it():
-    ex = exercises.get("04.2")
+    ex = exercises.get("04.1")
     stand_in = [c for c in ex.cases(0, torch.device("cuda")) if c.args[1] is None]
     assert len(stand_in) == 1
     got = ex.run(lambda *a: prefetch(*a, wait=False), stand_in[0])
@@ -55,20 +55,20 @@ def test_on_a_gpu_one_case_runs_on_the_stand_in_and_a_missing_wait_fails_it():
 
 @pytest.mark.gpu
 def test_on_the_gpu_the_handshake_passes():
-    assert check("04.2", prefetch, device="cuda").passed
+    assert check("04.1", prefetch, device="cuda").passed
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mistake,reason", [({"wait": False}, "wait_event(ready)"),
                                             ({"record": False}, "record_stream")])
 def test_on_the_gpu_each_mistake_fails_with_its_reason(mistake, reason):
-    result = check("04.2", lambda *a: prefetch(*a, **mistake), device="cuda")
+    result = check("04.1", lambda *a: prefetch(*a, **mistake), device="cuda")
     assert not result.passed and reason in result.message, repr(result)
 
 
 @pytest.mark.gpu
 def test_on_the_gpu_a_late_copy_alone_catches_a_missing_wait():
-    result = check("04.2", lambda *a: prefetch(*a, wait=False), device="cuda")
+    result = check("04.1", lambda *a: prefetch(*a, wait=False), device="cuda")
     late = [c for c in result.cases if c.label.endswith("late copy")]
     assert late and not any(c.passed for c in late), repr(result)
 

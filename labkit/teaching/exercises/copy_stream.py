@@ -144,7 +144,7 @@ def _note(device) -> str:
 
 
 EXERCISES = [Exercise(
-    id="04.2", title="prefetch on a copy stream, raw", entry="prefetch",
+    id="04.1", title="prefetch on a copy stream, raw", entry="prefetch",
     task="copy each batch on a copy stream, record an event, make the compute stream wait on "
          "it, record_stream the device tensor, compute",
     cases=_cases, run=_run, expected=_expected, diagnose=_diagnose, note=_note,

@@ -212,7 +212,7 @@ def _note(device) -> str:
 
 
 EXERCISES = [Exercise(
-    id="04.1", title="wait before refilling a pinned buffer", entry="send_batch",
+    id="04.2", title="wait before refilling a pinned buffer", entry="send_batch",
     task="make it safe to write into ring.buffers[i], and wait no longer than that needs",
     cases=_cases, run=_run, expected=_expected, diagnose=_diagnose, note=_note,
     hints=(
