@@ -9,6 +9,13 @@ Layout: one tensor ``kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, h
 
 With ``dtype=torch.float8_e4m3fn`` each layer also has float32 ``k_scale, v_scale: [H]``
 (per-head scales): values are stored divided by the scale and multiplied back when read.
+
+An MLA cache (``latent=True``) holds one row per token and layer instead of a K and a V: the
+compressed ``c_kv`` then the rotary key ``k_pe`` (``head_dim`` is their total width, 576 in
+DeepSeek-V3), shared by every query head. Its tensor is ``[num_layers, 1, num_blocks,
+block_size, 1, width]`` and ``latent_cache(layer)`` is the ``[num_blocks, block_size, width]``
+view that ``paged_mla_attention`` reads; the value is the row's first ``kv_lora_rank`` columns,
+so there is nothing else to store.
 """
 from __future__ import annotations
 
@@ -31,12 +38,26 @@ class KVCacheShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
+    latent: bool = False  # MLA: one shared latent row per token (head_dim wide), no separate V
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             check_positive_int(name, getattr(self, name))
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype must be one of {KV_DTYPES}, got {self.dtype}")
+        if not isinstance(self.latent, bool):
+            raise TypeError(f"latent must be True or False, got {self.latent!r}")
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA latent cache has one row per token shared by every head: "
+                             f"num_kv_heads must be 1, got {self.num_kv_heads}")
+        if self.latent and self.fp8:
+            raise ValueError("an fp8 MLA latent cache is not implemented: use bfloat16 or "
+                             "float16 (or float32)")
+
+    @property
+    def planes(self) -> int:
+        """Tensors cached per token and layer: K and V, or MLA's one latent."""
+        return 1 if self.latent else 2
 
     @property
     def fp8(self) -> bool:
@@ -44,9 +65,10 @@ class KVCacheShape:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V, every layer and KV head (scales are per head, not per token: ignored)."""
+        """K and V (or MLA's latent), every layer and KV head (scales are per head, not per
+        token: ignored)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 def _count(name: str, value, hint: str) -> int:
@@ -95,13 +117,13 @@ def memory_table(models: dict[str, tuple[int, int, int]], memory_bytes: int,
 class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu"):
-        self.shape = KVCacheShape(num_layers, num_kv_heads, head_dim, dtype)
+                 device: str | torch.device = "cpu", *, latent: bool = False):
+        self.shape = KVCacheShape(num_layers, num_kv_heads, head_dim, dtype, latent)
         check_positive_int("num_blocks", num_blocks, hint="KV blocks in the cache")
         check_power_of_two("block_size", block_size, hint="tokens a block holds; 16 is usual")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
+        self.kv = torch.zeros(num_layers, self.shape.planes, num_blocks, block_size,
+                              num_kv_heads, head_dim, dtype=dtype, device=device)
         if self.shape.fp8:
             self.k_scale = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=device)
             self.v_scale = torch.ones_like(self.k_scale)
@@ -110,7 +132,7 @@ class PagedKVCache:
         # Each layer's views, made once: an engine asks for them in every layer of every step,
         # and indexing kv again each time costs the host microseconds per call. Everything
         # writes kv and the scales in place, so the views stay valid.
-        self._layers = [(self.kv[i, 0], self.kv[i, 1],
+        self._layers = [(self.kv[i, 0], self.kv[i, -1],
                          None if self.k_scale is None else self.k_scale[i],
                          None if self.v_scale is None else self.v_scale[i])
                         for i in range(num_layers)]
@@ -124,7 +146,7 @@ class PagedKVCache:
             raise ValueError(f"{memory_bytes:,} bytes hold no block of {block_size} tokens at "
                              f"{shape.bytes_per_token:,} bytes per token; give more memory")
         return cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks, block_size,
-                   shape.dtype, device)
+                   shape.dtype, device, latent=shape.latent)
 
     @property
     def nbytes(self) -> int:
@@ -169,12 +191,27 @@ class PagedKVCache:
         return out
 
     # ------------------------------------------------------------------ views
+    def _kv_only(self, what: str) -> None:
+        if self.shape.latent:
+            raise ValueError(f"{what} is for a K/V cache; this is an MLA latent cache: use "
+                             "latent_cache(layer) and write_latent (the value is the latent's "
+                             "first kv_lora_rank columns)")
+
     def key_cache(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, num_kv_heads, head_dim], a view."""
+        self._kv_only("key_cache")
         return self._layers[self._layer(layer)][0]
 
     def value_cache(self, layer: int) -> torch.Tensor:
+        self._kv_only("value_cache")
         return self._layers[self._layer(layer)][1]
+
+    def latent_cache(self, layer: int) -> torch.Tensor:
+        """MLA: [num_blocks, block_size, width] (c_kv then k_pe), a view."""
+        if not self.shape.latent:
+            raise ValueError("latent_cache is for an MLA cache (latent=True); this cache holds "
+                             "K and V: use key_cache and value_cache")
+        return self._layers[self._layer(layer)][0][:, :, 0]
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self._layers[self._layer(layer)][2:]
@@ -220,6 +257,30 @@ class PagedKVCache:
         fn(key, value, self.key_cache(layer), self.value_cache(layer), slot_mapping,
            *self.scales(layer), check=check)
 
+    def write_latent(self, layer: int, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """MLA: latent [num_tokens, width] (c_kv then k_pe) into slot_mapping [num_tokens];
+        slot -1 is padding and writes nothing. Slots are checked before anything is written."""
+        cache = self.latent_cache(layer)
+        width = self.shape.head_dim
+        if not isinstance(latent, torch.Tensor) or latent.dim() != 2 or \
+                latent.shape[1] != width or latent.dtype != cache.dtype:
+            what = (latent.dtype, tuple(latent.shape)) if isinstance(latent, torch.Tensor) \
+                else type(latent).__name__
+            raise ValueError(f"latent must be {cache.dtype} [num_tokens, {width}], got {what}")
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1 or \
+                slot_mapping.shape[0] != latent.shape[0] or slot_mapping.is_floating_point():
+            raise ValueError(f"slot_mapping must be an int tensor [{latent.shape[0]}] (one slot "
+                             f"per latent row), got {slot_mapping!r}")
+        slots = slot_mapping.long()
+        real = slots >= 0
+        capacity = self.num_blocks * self.block_size
+        kept = slots[real]
+        if kept.numel() and (int(kept.max()) >= capacity or int(slots.min()) < -1
+                             or kept.unique().numel() != kept.numel()):
+            raise ValueError(f"slot_mapping must hold distinct slots in [0, {capacity}) or -1 "
+                             f"for padding, got {slot_mapping.tolist()[:8]}")
+        cache.view(capacity, width)[kept] = latent[real]
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply the block manager's copy-on-write (src, dst) pairs, every layer, K and V."""
         if not copies:
@@ -243,7 +304,8 @@ class PagedKVCache:
     def gather(self, layer: int, block_table: list[int], num_tokens: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's keys and values [num_tokens, H, D], read back in order (dequantised to
-        float32 for fp8): the reference read path that tests and attention references use."""
+        float32 for fp8): the reference read path that tests and attention references use. For
+        an MLA cache both are the latent rows [num_tokens, 1, width]."""
         layer = self._layer(layer)
         block_table = self._block_ids("block_table", block_table)
         _count("num_tokens", num_tokens, "tokens to read back")
@@ -252,7 +314,7 @@ class PagedKVCache:
                              f"blocks, the block table has {len(block_table)}")
         idx = torch.tensor(block_table, dtype=torch.long, device=self.kv.device)
         k = self.kv[layer, 0, idx].flatten(0, 1)[:num_tokens]
-        v = self.kv[layer, 1, idx].flatten(0, 1)[:num_tokens]
+        v = self.kv[layer, -1, idx].flatten(0, 1)[:num_tokens]
         if self.shape.fp8:
             k = k.float() * self.k_scale[layer][:, None]
             v = v.float() * self.v_scale[layer][:, None]
