@@ -1,12 +1,15 @@
 """The PyTorch peers (sdpa, flex) are fair and say whose limits they have.
 
-Fair: a step is one batched call over a padded batch, not a loop over sequences; at decode with
-equal lengths SDPA gets no mask and enable_gqa; the lengths reach the host once; flex compiles
-for changing shapes and builds one block mask per batch shape. Both agree with the float64
+Fair: a layer is one batched call over a padded batch, not a loop over sequences; at decode with
+equal lengths SDPA gets no mask and enable_gqa; the lengths reach the host once a call, or not at
+all when the engine passes the host copy its step metadata holds; flex compiles for changing
+shapes and builds one block mask per batch shape. Both agree with the float64
 reference on fresh random batches, awkward ones included. Labelled: every "no"/"never" of the
 compatibility matrix names whose limit it is, and selection's reasons carry it."""
 import dataclasses
 import math
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -186,9 +189,9 @@ def test_decode_with_a_window_gathers_only_the_window():
 
 class SdpaCalls:
     """Records every F.scaled_dot_product_attention call (shapes, mask, flags) and every
-    host read (.tolist / .item) made while it is active."""
+    host read (.tolist / .item) made while it is active, with the file that made it."""
     def __init__(self, monkeypatch):
-        self.calls, self.host_reads = [], 0
+        self.calls, self.host_reads, self.readers = [], 0, []
         real, real_tolist, real_item = (torch.nn.functional.scaled_dot_product_attention,
                                         torch.Tensor.tolist, torch.Tensor.item)
 
@@ -201,6 +204,7 @@ class SdpaCalls:
         def host(real_fn):
             def read(t, *a):
                 self.host_reads += 1
+                self.readers.append(sys._getframe(1).f_code.co_filename)
                 return real_fn(t, *a)
             return read
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
@@ -237,6 +241,27 @@ def test_a_mixed_batch_is_one_call_with_one_boolean_mask(monkeypatch):
     assert call["q"] == (4, 8, 7, 16) and call["k"] == (4, 2, 40, 16)
     assert call["mask"] == (torch.bool, (4, 1, 7, 40)) and call["enable_gqa"] is True
     assert rec.host_reads == 1
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_lengths_given_on_the_host_are_not_read_back_from_the_device(monkeypatch, name):
+    lens_q, seq_lens = [3, 1, 1], [3, 21, 40]
+    args = paged(lens_q, seq_lens, 8, 2, 16, 16, torch.float32, fresh_seed())
+    ref = paged_attention_ref(*args)
+    rec = SdpaCalls(monkeypatch)
+    outs = [BACKENDS[name].paged(*args, host_lengths=(lens_q, seq_lens))
+            for _layer in range(4)]  # the layers of one step, lengths from its host metadata
+    labkits = [f for f in rec.readers if "labkit" in pathlib.Path(f).parts]
+    assert not labkits, "the engine's step metadata holds the lengths: no layer syncs"
+    if name == "sdpa":  # (flex on CPU may trace with Dynamo, which reads scalars of its own)
+        assert rec.host_reads == 0
+    assert max(max_err(out, ref) for out in outs) < CPU_TOL[torch.float32]
+
+
+def test_host_lengths_for_another_batch_are_refused():
+    args = paged([1, 1], [9, 20], 4, 2, 16, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="host_lengths holds 1 query and 1 key lengths"):
+        BACKENDS["sdpa"].paged(*args, host_lengths=([1], [9]))
 
 
 def test_equal_square_prefill_uses_sdpas_own_causal_flag(monkeypatch):

@@ -40,6 +40,26 @@ def test_other_attention_backends_give_the_same_tokens(hf_model, expected, backe
     assert_same_tokens(llm.generate(PROMPTS[:3], GREEDY), expected[:3], f"backend {backend}")
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_the_peer_backends_take_the_steps_lengths_from_the_host(hf_model, expected, backend,
+                                                              monkeypatch):
+    """The engine hands sdpa and flex each step's lengths from its host metadata, so no layer
+    reads them back from the device (a sync per layer: an unfair peer)."""
+    from labkit.attention import peers
+
+    read_back = peers._host_lengths
+    calls = []
+
+    def spy(lens_q, lens_k, given=None):
+        calls.append(given is not None)
+        return read_back(lens_q, lens_k, given)
+
+    monkeypatch.setattr(peers, "_host_lengths", spy)
+    llm = LLM(hf_model[1], device="cpu", backend=backend, enable_chunked_prefill=True)
+    assert_same_tokens(llm.generate(PROMPTS[:3], GREEDY), expected[:3], f"backend {backend}")
+    assert calls and all(calls), f"{calls.count(False)} of {len(calls)} calls read lengths back"
+
+
 def test_chunked_prefill_gives_the_same_tokens(hf_model, expected):
     budget = 8
     llm = LLM(hf_model[1], device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)

@@ -301,5 +301,4 @@ def test_peer_labels_follow_the_backends_declarations():
         limit = getattr(b, "limits", {}).get("CUDA Graph capture")
         if limit is not None:
             assert notes.loc[name, "graph capture limit"].startswith(limit.by)
-    for name, why in peers.slow_here(torch.device("cuda")).items():
-        assert BACKENDS[name].notes in why, "a GPU skip quotes the declaration it follows"
+    assert peers.slow_here(torch.device("cuda")) == {}, "on a GPU every backend is timed"

@@ -111,13 +111,14 @@ POW2_HEAD_DIMS = (16, 32, 64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 # Limits the wrappers of sdpa, flex and reference share.
-_NO_LATENT = Limit("labkit's wrapper", "it takes per-head K/V; no latent-cache (MLA) path is "
-                                       "written for it")
+_NO_LATENT = Limit("labkit's wrapper", "it takes K and V of one width; an absorbed MLA cache "
+                                       "has K 576 wide (512 latent + 64 RoPE) and V 512 (the "
+                                       "latent's first columns), and no MLA path is written")
 _NO_FP8_GATHER = Limit("labkit's wrapper", "its gather does not dequantise: a dequantising "
                                            "gather would write the cache out again in 16 bits, "
                                            "giving back the bytes fp8 saves")
-_HOST_LENGTHS = ("it reads the batch's lengths on the host once per call (one sync) to size "
-                 "the padded gather")
+_HOST_LENGTHS = ("it sizes the padded gather on the host from the batch's lengths (passed in "
+                 "as host_lengths, or read back once per call: one sync)")
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend(
@@ -133,8 +134,12 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
               "depends on the longest query, so only uniform decode batches replay safely; on "
               "CPU it runs in Triton's interpreter (slow)",
         limits={
-            "MLA": Limit("labkit's kernel", "the kernels read per-head K/V blocks; none here "
-                                            "reads a latent (MLA) cache"),
+            "MLA": Limit("labkit's kernel", "its paged kernels take K and V of one width, but "
+                                            "an absorbed MLA cache has K 576 wide (512 latent "
+                                            "+ 64 RoPE) and V 512 (the latent's first "
+                                            "columns); that cache is read by "
+                                            "paged_mla_attention, a kernel of its own, which "
+                                            "no engine model calls through this registry yet"),
             "CUDA Graph capture": Limit(
                 "labkit's kernel", "the launch grid is sized by max_query_len, fixed at "
                 "capture: only batches of one token per row replay safely"),
@@ -155,7 +160,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
         paged_reads="gathers blocks into padded KV first", sliding_window=True,
         attention_kinds=("MHA", "GQA", "MQA"), mixed_batches=True, cuda_graphs="never",
         devices=("cuda", "cpu"), min_compute_capability=(8, 0),
-        notes="one call per step: queries padded to [B, Hq, Lq, D], keys gathered to "
+        notes="one call per layer: queries padded to [B, Hq, Lq, D], keys gathered to "
               "[B, Hkv, Lk, D] (at decode only a window's last keys), enable_gqa; compiled "
               "once with dynamic=True, so new lengths reuse the kernel; the block mask is "
               "built once per batch shape (lengths, causal, window) and cached, so the layers "
@@ -175,17 +180,18 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
                                                             "are not tried"),
         }),
     Backend(
-        name="sdpa", summary="torch scaled_dot_product_attention, one batched call per step",
+        name="sdpa", summary="torch scaled_dot_product_attention, one batched call per layer",
         flash=sdpa_flash, paged=sdpa_paged,
         dtypes=HALF_AND_FLOAT, head_dims=tuple(range(8, 257, 8)),
         kv_cache_dtypes=("auto",), kv_scales=(), block_sizes=ANY,
         paged_reads="gathers blocks into padded KV first", sliding_window=True,
         attention_kinds=("MHA", "GQA", "MQA"), mixed_batches=True, cuda_graphs="never",
         devices=("cuda", "cpu"),
-        notes="one call per step (sdpa_call says which): uniform decode with equal lengths "
+        notes="one call per layer (sdpa_call says which): decode with equal lengths "
               "passes enable_gqa and no mask, which the flash kernel inside SDPA can serve; "
-              "decode with unequal lengths folds each KV head's query heads into its queries "
-              "and passes a padding mask (no GQA flag); varlen prefill pads to "
+              "decode with unequal lengths, the common case, folds each KV head's query heads "
+              "into its queries and passes a boolean padding mask, which rules out SDPA's "
+              "flash kernel; varlen prefill pads to "
               "[B, Hq, Lq, D] with one boolean mask (causal end-aligned + window + "
               "padding) and enable_gqa. Any boolean mask rules out the flash kernel on CUDA; "
               "in torch 2.11 a mask with enable_gqa also rules out the memory-efficient "
@@ -201,7 +207,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
                 "takes cu_seqlens, and in newer releases a block table: this backend is "
                 "SDPA, so it gathers"),
             "CUDA Graph capture": Limit(
-                "labkit's wrapper", f"{_HOST_LENGTHS} and to choose mask or none; SDPA's "
+                "labkit's wrapper", f"{_HOST_LENGTHS} and chooses mask or none there; SDPA's "
                 "kernels themselves can be captured at fixed shapes"),
         }),
     Backend(

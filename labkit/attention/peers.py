@@ -1,10 +1,13 @@
-"""The two PyTorch peers, SDPA and FlexAttention, as engines run them: one batched call a step.
+"""The two PyTorch peers, SDPA and FlexAttention, as engines run them: one batched call a layer.
 
-Not a loop over sequences: the batch's lengths come to the host once (one sync), the queries
-are padded to ``[B, Hq, Lq, D]`` and the keys gathered, in one indexing op, from the paged cache
-(or the packed tensor) into ``[B, Hkv, Lk, D]``; :class:`PaddedBatch` says which key slots each
-query sees. Each peer exposes the two calls of ``labkit.attention`` (``flash`` over packed
-K/V, ``paged`` over a block-table cache); ``backends.py`` declares what they support.
+Not a loop over sequences: the queries are padded to ``[B, Hq, Lq, D]`` and the keys gathered,
+in one indexing op, from the paged cache (or the packed tensor) into ``[B, Hkv, Lk, D]``;
+:class:`PaddedBatch` says which key slots each query sees. Those shapes are sized on the host,
+from the batch's lengths: an engine passes the lengths its step metadata already holds on the
+host (``host_lengths``), so no layer waits for the device; a call without them reads them back
+once (one sync a call, so one a layer). Each peer exposes the two calls of
+``labkit.attention`` (``flash`` over packed K/V, ``paged`` over a block-table cache);
+``backends.py`` declares what they support.
 """
 from __future__ import annotations
 
@@ -108,11 +111,19 @@ def sees_a_key(batch: PaddedBatch, lens_q: torch.Tensor, lens_k: torch.Tensor) -
     return (i < lens_q) & (hi > lo)
 
 
-def _host_lengths(lens_q: torch.Tensor, lens_k: torch.Tensor) -> tuple[tuple, tuple]:
-    """Both length vectors on the host in ONE transfer: the padded shapes depend on them."""
+def _host_lengths(lens_q: torch.Tensor, lens_k: torch.Tensor, given=None) -> tuple[tuple, tuple]:
+    """Both length vectors on the host: the padded shapes depend on them. ``given`` (new tokens
+    and keys per sequence, already on the host) costs nothing; otherwise ONE transfer, a sync."""
     if lens_q.numel() != lens_k.numel():
         raise ValueError(f"cu_seqlens_q describes {lens_q.numel()} sequences but the key "
                          f"lengths {lens_k.numel()}; pass one entry per sequence to both")
+    if given is not None:
+        host_q, host_k = (tuple(int(n) for n in lens) for lens in given)
+        if len(host_q) != lens_q.numel() or len(host_k) != lens_k.numel():
+            raise ValueError(f"host_lengths holds {len(host_q)} query and {len(host_k)} key "
+                             f"lengths for a batch of {lens_q.numel()} sequences; pass one of "
+                             "each per sequence, the same as the device tensors hold")
+        return host_q, host_k
     both = torch.cat([lens_q.reshape(-1), lens_k.reshape(-1)]).tolist()
     n = lens_q.numel()
     return tuple(both[:n]), tuple(both[n:])
@@ -150,7 +161,7 @@ def _read_packed(k, v, cu_seqlens_k):
     return read
 
 
-# --- sdpa: PyTorch's scaled_dot_product_attention, one call per step ---------------------------
+# --- sdpa: PyTorch's scaled_dot_product_attention, one call per layer --------------------------
 
 def sdpa_call(batch: PaddedBatch) -> str:
     """Which SDPA call the wrapper makes for this batch (what rules the kernels in or out)."""
@@ -166,8 +177,8 @@ def sdpa_call(batch: PaddedBatch) -> str:
     return "varlen: enable_gqa, one boolean mask (causal + window + padding)"
 
 
-def _sdpa(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
-    batch = PaddedBatch(*_host_lengths(lens_q, lens_k), bool(causal), window)
+def _sdpa(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale, host_lengths):
+    batch = PaddedBatch(*_host_lengths(lens_q, lens_k, host_lengths), bool(causal), window)
     if batch.empty:
         return torch.zeros_like(q)
     k, v = read(batch.key_positions(lens_k))  # [B, Hkv, Lk, D]
@@ -206,18 +217,22 @@ def _sdpa(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
 def _entry_points(run, name: str):
     """The two calls of ``labkit.attention`` over one padded-batch implementation ``run``:
     ``flash`` reads packed K/V, ``paged`` a block-table cache (no fp8: the gather does not
-    dequantise)."""
-    def flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None):
+    dequantise). ``host_lengths=(new tokens, keys)`` per sequence, as host ints equal to what
+    the device tensors hold: an engine takes them from its step metadata once a step, and
+    then no layer's call syncs."""
+    def flash(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, window=None, scale=None,
+              host_lengths=None):
         return run(q, cu_seqlens_q, cu_seqlens_q.diff(), cu_seqlens_k.diff(),
-                   _read_packed(k, v, cu_seqlens_k), causal=causal, window=window, scale=scale)
+                   _read_packed(k, v, cu_seqlens_k), causal=causal, window=window, scale=scale,
+                   host_lengths=host_lengths)
 
     def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, causal=True,
-              window=None, scale=None, k_scale=None, v_scale=None):
+              window=None, scale=None, k_scale=None, v_scale=None, host_lengths=None):
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"the {name} backend has no fp8 cache support")
         return run(q, cu_seqlens_q, cu_seqlens_q.diff(), seq_lens,
                    _read_paged(k_cache, v_cache, block_tables, q.dtype), causal=causal,
-                   window=window, scale=scale)
+                   window=window, scale=scale, host_lengths=host_lengths)
 
     flash.__name__, paged.__name__ = f"{name}_flash", f"{name}_paged"
     return flash, paged
@@ -265,8 +280,8 @@ def flex_block_mask(batch: PaddedBatch, lens_q: torch.Tensor, lens_k: torch.Tens
     return mask
 
 
-def _flex(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale):
-    batch = PaddedBatch(*_host_lengths(lens_q, lens_k), bool(causal), window)
+def _flex(q, cu_seqlens_q, lens_q, lens_k, read, *, causal, window, scale, host_lengths):
+    batch = PaddedBatch(*_host_lengths(lens_q, lens_k, host_lengths), bool(causal), window)
     if batch.empty:
         return torch.zeros_like(q)
     k, v = read(batch.key_positions(lens_k))

@@ -271,11 +271,13 @@ class ModelRunner:
                               logits_idx)
 
     # ------------------------------------------------------------------ forward
-    def _paged(self, md: DeviceMetadata, max_query_len: int):
+    def _paged(self, md: DeviceMetadata, max_query_len: int, host: StepMetadata | None):
         """(q, layer, out) -> attention of the step's rows over layer's cache. With labkit's
         Triton kernel the launch is planned once for the step (tiles, grid, KV split: the same
         in every layer) and each layer only launches; the runner built the metadata itself, so
-        no host sync checks it. Other backends are called as they are, per layer."""
+        no host sync checks it. Other backends are called as they are, per layer, given the
+        step's lengths from the host metadata (``host``; None in a captured decode graph) so that
+        no layer reads them back."""
         cache = self.cache
         if self.backend.name == "triton":
             from labkit.kernels.paged_attention import plan_paged_attention
@@ -290,17 +292,20 @@ class ModelRunner:
                                 lens, *cache.scales(layer), out=out)
             return run
         paged = self.backend.paged
+        lengths = {"host_lengths": (np.diff(host.cu_seqlens_q).tolist(), host.seq_lens)} \
+            if host is not None and self.backend.name in ("sdpa", "flex") else {}
 
         def run(q, layer, out):
             result = paged(q, cache.key_cache(layer), cache.value_cache(layer), md.block_tables,
-                           md.cu_seqlens_q, md.seq_lens).to(q.dtype)
+                           md.cu_seqlens_q, md.seq_lens, **lengths).to(q.dtype)
             return result if out is None else out.copy_(result)
         return run
 
-    def _attention(self, md: DeviceMetadata, max_query_len: int, *, store: bool = True):
+    def _attention(self, md: DeviceMetadata, max_query_len: int, *, store: bool = True,
+                   host: StepMetadata | None = None):
         """The step's AttentionFn; ``store=False`` when the K/V were stored already (piecewise
         graphs store them inside the pieces)."""
-        cache, run = self.cache, self._paged(md, max_query_len)
+        cache, run = self.cache, self._paged(md, max_query_len, host)
 
         def attention(layer, q, k, v, out=None):
             # Every new token's K/V goes in before any row reads: a prefix hit admitted in this
@@ -335,11 +340,12 @@ class ModelRunner:
                 (bucket := self.piecewise.bucket_for(tokens)) is not None:
             if self.pieces is None:  # the compiled pieces' graphs; attention stores the K/V
                 self.piecewise.load(dev.input_ids, dev.positions, bucket)
-                hidden = self.piecewise.run(tokens, self._attention(dev, md.max_seqlen_q))
+                hidden = self.piecewise.run(tokens, self._attention(dev, md.max_seqlen_q, host=md))
                 return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]),
                                   None, bucket)
             self.pieces.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
-            attention = self._attention(dev, md.max_seqlen_q, store=self.pieces.cache is None)
+            attention = self._attention(dev, md.max_seqlen_q, store=self.pieces.cache is None,
+                                        host=md)
             views = self.pieces.attention_views(tokens)
             self.piecewise.run(tokens, lambda layer: self.pieces.attend(layer, tokens, attention,
                                                                         views))
@@ -356,7 +362,7 @@ class ModelRunner:
                                  context=context)
             return StepOutput(logits, graph_batch)
         hidden = self._hidden_states(dev.input_ids, dev.positions,
-                                     self._attention(dev, md.max_seqlen_q))
+                                     self._attention(dev, md.max_seqlen_q, host=md))
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs

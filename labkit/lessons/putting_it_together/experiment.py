@@ -125,8 +125,8 @@ def run_one(model: LlamaModel, workload: Workload, backend: str, mode: str,
     raised ``BackendUnavailable``; for a graph row the reason names whose limit it is, from
     :func:`~labkit.lessons.putting_it_together.peers.graph_limit`, instead of running eagerly
     in silence); "cannot run" (the mode needs what the device lacks: CUDA Graphs need CUDA);
-    "skipped" (in ``skip``: too slow here, or timing it would time recompiles); "failed" (it
-    started and raised; the error is the reason)."""
+    "skipped" (in ``skip``: too slow here); "failed" (it started and raised; the error is the
+    reason)."""
     dev = model.embed_tokens.device
     row = dict.fromkeys(COLUMNS, float("nan")) | {"backend": backend, "mode": mode,
                                                   "chosen": "", "reason": ""}
