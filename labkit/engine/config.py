@@ -1,6 +1,11 @@
 """The engine's two configs: the shape of a Llama-style decoder (``ModelConfig``, read from a
 Hugging Face style ``config.json``) and the scheduler's budgets (``SchedulerConfig``).
 
+A DeepSeek-V2/V3 ``config.json`` gives a ``ModelConfig`` whose ``is_mla`` is true: its attention
+is multi-head latent attention (``labkit/engine/mla.py``), described by ``kv_lora_rank``,
+``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``. Only its dense
+layers are implemented: mixture-of-experts configs are refused.
+
 Only the fields the model needs are kept; the rest of the file (tokenizer ids, ``use_cache``,
 ...) is ignored. Anything that would change the arithmetic and that labkit's model does not
 implement (biases, another activation, scaled RoPE) is refused, so a checkpoint never loads
@@ -18,6 +23,7 @@ import torch
 from labkit import check_positive_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "vocab_size", "max_position_embeddings")
 
@@ -36,15 +42,25 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"
+    # multi-head latent attention (DeepSeek-V2/V3); all None for a Llama-style model
+    kv_lora_rank: int | None = None      # the cached latent c_kv, shared by every head
+    q_lora_rank: int | None = None       # None: q_proj straight from the hidden state
+    qk_nope_head_dim: int | None = None  # the part of each query/key head without RoPE
+    qk_rope_head_dim: int | None = None  # the rotary part; its key k_pe is shared and cached
+    v_head_dim: int | None = None
+    rope_interleave: bool | None = None  # MLA: RoPE pairs (x0, x1), (x2, x3)...; None: True
 
     def __post_init__(self):
         for name in _INT_FIELDS:
             check_positive_int(name, getattr(self, name))
+        self._check_mla()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads}): each KV head serves a "
                 "whole group of query heads")
+        if self.head_dim is None and self.is_mla:
+            object.__setattr__(self, "head_dim", self.qk_head_dim)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -68,6 +84,48 @@ class ModelConfig:
             raise ValueError(f"torch_dtype must be one of {list(DTYPES)}, "
                              f"got {self.torch_dtype!r}")
 
+    def _check_mla(self) -> None:
+        given = [n for n in _MLA_FIELDS if getattr(self, n) is not None]
+        if given and len(given) < len(_MLA_FIELDS):
+            missing = [n for n in _MLA_FIELDS if n not in given]
+            raise ValueError(f"multi-head latent attention needs {list(_MLA_FIELDS)} together; "
+                             f"got {given} without {missing}: give all of them, or none for a "
+                             "Llama-style model")
+        if not given and self.q_lora_rank is not None:
+            raise ValueError(f"q_lora_rank={self.q_lora_rank!r} is for multi-head latent "
+                             f"attention: give {list(_MLA_FIELDS)} too, or drop it")
+        if self.rope_interleave is not None and not isinstance(self.rope_interleave, bool):
+            raise TypeError(f"rope_interleave must be True, False or None, got "
+                            f"{self.rope_interleave!r}")
+        if not given:
+            if self.rope_interleave:
+                raise ValueError("rope_interleave=True is for multi-head latent attention "
+                                 "(DeepSeek's RoPE layout); a Llama-style model rotates halves")
+            return
+        for name in (*_MLA_FIELDS, "q_lora_rank"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs of "
+                             f"dimensions), got {self.qk_rope_head_dim!r}")
+        if self.rope_interleave is None:
+            object.__setattr__(self, "rope_interleave", True)  # DeepSeek's checkpoints
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek) rather than Llama-style GQA."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: the width of one query/key head, its no-RoPE part then its rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_size(self) -> int:
+        """MLA: the values a token caches per layer, c_kv then k_pe (DeepSeek-V3: 576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.torch_dtype]
@@ -83,6 +141,12 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        if self.is_mla:
+            heads, r, qr = self.num_attention_heads, self.kv_lora_rank, self.q_lora_rank
+            q = h * heads * self.qk_head_dim if qr is None else h * qr + qr + qr * heads * \
+                self.qk_head_dim
+            kv = h * self.latent_size + r + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            layer = q + kv + heads * self.v_head_dim * h + 3 * h * i + 2 * h
         heads = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + heads + h
 
@@ -92,6 +156,9 @@ class ModelConfig:
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict (the object a config.json holds), got "
                             f"{type(config).__name__}")
+        mla = config.get("kv_lora_rank") is not None
+        if mla or str(config.get("model_type", "")).startswith("deepseek"):
+            _refuse_unsupported_mla(config)
         _refuse_unsupported(config)
         optional = ("max_position_embeddings", "num_key_value_heads")  # older files: MHA
         missing = [n for n in _INT_FIELDS if config.get(n) is None and n not in optional]
@@ -100,6 +167,10 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in known and v is not None}
         kwargs.setdefault("num_key_value_heads", config["num_attention_heads"])
+        if mla:
+            kwargs.pop("head_dim", None)  # transformers writes the rotary width there
+            if config.get("model_type") == "deepseek_v2":
+                kwargs["rope_interleave"] = True  # V2 rotates adjacent pairs, with no flag
         rope = config.get("rope_parameters") or {}
         if "rope_theta" not in kwargs and "rope_theta" in rope:
             kwargs["rope_theta"] = rope["rope_theta"]  # transformers 5 nests it here
@@ -130,6 +201,13 @@ class ModelConfig:
         out = asdict(self)
         out.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                    attention_bias=False, mlp_bias=False)
+        if self.is_mla:  # DeepseekV3ForCausalLM's, every layer dense
+            out.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                       first_k_dense_replace=self.num_hidden_layers,
+                       head_dim=self.qk_rope_head_dim)  # transformers sizes its RoPE by it
+        else:
+            for name in (*_MLA_FIELDS, "q_lora_rank", "rope_interleave"):
+                del out[name]
         return out
 
     @classmethod
@@ -167,6 +245,28 @@ def read_json_object(path: Path, what: str) -> dict:
         raise ValueError(f"{path} must hold a JSON object ({what}), got a "
                          f"{type(value).__name__}")
     return value
+
+
+def _refuse_unsupported_mla(config: dict) -> None:
+    """A DeepSeek config that asks for experts or YaRN, refused with what to set instead."""
+    layers = config.get("num_hidden_layers")
+    # transformers makes layer i a mixture of experts when i >= first_k_dense_replace
+    dense = config.get("first_k_dense_replace",
+                       3 if config.get("model_type") == "deepseek_v3" else 0)
+    if isinstance(layers, int) and isinstance(dense, int) and dense < layers:
+        raise ValueError(
+            f"this DeepSeek config has mixture-of-experts layers (first_k_dense_replace={dense} "
+            f"< num_hidden_layers={layers}, n_routed_experts={config.get('n_routed_experts')}): "
+            "labkit runs dense MLP layers only. Set first_k_dense_replace to num_hidden_layers "
+            f"({layers}) for a dense model, or use a dense checkpoint")
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) \
+        if isinstance(scaling, dict) else scaling
+    if rope_type != "default":
+        raise ValueError(
+            f"this DeepSeek config asks for {rope_type!r} RoPE scaling (DeepSeek's YaRN also "
+            "scales the softmax by its mscale): labkit's MLA runs plain RoPE only. Drop "
+            "rope_scaling, or set it to null, to run within the original context length")
 
 
 def _refuse_unsupported(config: dict) -> None:
