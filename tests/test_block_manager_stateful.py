@@ -1,12 +1,14 @@
-"""Random allocate / append / fork / free programs against the block manager.
+"""Random allocate / append / draft / accept / fork / free programs against the block manager.
 
 Beside the manager the machine keeps a model of physical memory: which token each slot holds.
 It writes every token the manager says must be computed, applies the copy-on-write copies it
 returns, and after every step reads each sequence back through its block table. So a wrong prefix
 hit, a missed copy or a block freed too early shows up as a sequence reading someone else's
-tokens, not only as a broken count.
+tokens, not only as a broken count. A rejected draft token's slot keeps its KV until overwritten:
+the machine writes REJECTED there, so a block sealed with a rejected token is caught in the cache.
 """
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -14,6 +16,7 @@ from labkit.kvcache import BlockManager, OutOfBlocks
 
 BS = 4
 NUM_BLOCKS = 10
+REJECTED = -1  # what a rejected draft token's slot holds (stale KV) until overwritten
 # Few token values and shared prompt starts, so that prefix hits and collisions are common.
 PREFIXES = [[], [1, 1, 1, 1], [1, 1, 1, 1, 2, 2, 2, 2], [3, 3, 3, 3, 1, 1, 1, 1]]
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
@@ -31,6 +34,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}           # what each sequence should read
         self.memory = [[None] * BS for _ in range(NUM_BLOCKS)]  # what each slot holds
         self.next_id = 0
+        self.drafts: dict[int, int] = {}                 # sequences awaiting verification
 
     def _write(self, seq_id, pos, token):
         block = self.bm.block_table(seq_id)[pos // BS]
@@ -39,8 +43,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _read(self, seq_id, pos):
         return self.memory[self.bm.block_table(seq_id)[pos // BS]][pos % BS]
 
-    def _pick(self, data):
-        return data.draw(st.sampled_from(sorted(self.tokens)))
+    def _pick(self, data, with_drafts=None):
+        ids = [s for s in sorted(self.tokens) if with_drafts is None or
+               bool(self.drafts.get(s)) == with_drafts]
+        return data.draw(st.sampled_from(ids))
+
+    def _refused(self, op, seq_id, *args):
+        before = self.bm.snapshot()
+        with pytest.raises(ValueError, match="accept_draft"):
+            op(seq_id, *args)
+        assert self.bm.snapshot() == before, f"a refused {op.__name__} changed the manager"
 
     # ------------------------------------------------------------------ rules
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), max_size=7))
@@ -67,6 +79,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), token=st.integers(0, 3))
     def append(self, data, token):
         seq_id = self._pick(data)
+        if self.drafts.get(seq_id):
+            return self._refused(self.bm.append_token, seq_id, token)
         before = self.bm.snapshot()
         try:
             copies = self.bm.append_token(seq_id, token)
@@ -86,6 +100,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def fork(self, data):
         parent = self._pick(data)
         child, self.next_id = self.next_id, self.next_id + 1
+        if self.drafts.get(parent):
+            return self._refused(self.bm.fork, parent, child)
         self.bm.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
 
@@ -95,6 +111,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = self._pick(data)
         self.bm.free(seq_id)
         del self.tokens[seq_id]
+        self.drafts.pop(seq_id, None)
 
     @precondition(lambda self: self.tokens)
     @rule()
@@ -102,6 +119,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq_id in list(self.tokens):
             self.bm.free(seq_id)
         self.tokens.clear()
+        self.drafts.clear()
+
+    @precondition(lambda self: len(self.drafts) < len(self.tokens))
+    @rule(data=st.data(), draft=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def append_draft(self, data, draft):
+        seq_id = self._pick(data, with_drafts=False)
+        before = self.bm.snapshot()
+        try:
+            copies = self.bm.append_draft(seq_id, draft)
+        except OutOfBlocks:
+            assert self.bm.snapshot() == before, "a failed append_draft changed the manager"
+            return
+        for src, dst in copies:
+            self.memory[dst] = list(self.memory[src])
+        n = len(self.tokens[seq_id])
+        for pos, token in enumerate(draft, n):  # the verify step writes every draft's KV
+            block = self.bm.block_table(seq_id)[pos // BS]
+            assert self.bm.ref_count(block) == 1, f"draft KV written into shared block {block}"
+            self._write(seq_id, pos, token)
+        self.tokens[seq_id] += draft
+        self.drafts[seq_id] = len(draft)
+
+    @precondition(lambda self: self.drafts)
+    @rule(data=st.data())
+    def accept_draft(self, data):
+        seq_id = self._pick(data, with_drafts=True)
+        k = self.drafts.pop(seq_id)
+        accepted = data.draw(st.integers(0, k))
+        end = len(self.tokens[seq_id]) - k + accepted
+        for pos in range(end, len(self.tokens[seq_id])):
+            self._write(seq_id, pos, REJECTED)
+        self.bm.accept_draft(seq_id, accepted)
+        del self.tokens[seq_id][end:]
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -150,6 +200,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == s.blocks_cached + s.blocks_free
         if not self.caching:
             assert s.blocks_cached == 0 and s.hits == 0
+
+    @invariant()
+    def no_cached_block_holds_a_draft_or_rejected_token(self):
+        for seq_id, k in self.drafts.items():
+            n = len(self.tokens[seq_id])
+            for b in self.bm.block_table(seq_id)[(n - k) // BS:]:
+                assert not self.bm.is_cached(b), f"block {b} holding a draft token was sealed"
+        for b in range(NUM_BLOCKS):
+            if self.bm.is_cached(b):
+                assert REJECTED not in self.memory[b], \
+                    f"cached block {b} holds a rejected draft token: {self.memory[b]}"
 
     @invariant()
     def with_nothing_running_nothing_is_in_use(self):

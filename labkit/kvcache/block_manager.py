@@ -11,6 +11,11 @@ Blocks are shared two ways, and a ``ref_count`` per block says by how many table
   partly filled last block. The first ``append_token`` into such a shared block copies it
   (copy-on-write) and returns ``(src, dst)`` for the caller to copy in the KV tensors.
 
+Speculative decoding writes KV for draft tokens that the target model may reject.
+``append_draft`` gives them slots (blocks, copy-on-write) but never seals a block holding one:
+only ``accept_draft`` commits the accepted ones (sealing the blocks they fill) and rolls the
+rest back, releasing blocks past the new end. So the prefix cache never finds a rejected token.
+
 A block is released when its ref count drops to zero: to the free list, or, if registered in the
 prefix cache, to its evictable list, where it waits to be hit again or evicted (LRU) for space.
 Every operation checks it can finish before it changes anything: on :class:`OutOfBlocks` or a
@@ -89,7 +94,8 @@ class CacheStats:
 
 
 class _Sequence:
-    __slots__ = ("block_table", "num_tokens", "tail", "last_hash", "extra", "pending")
+    __slots__ = ("block_table", "num_tokens", "tail", "last_hash", "extra", "pending",
+                 "num_draft")
 
     def __init__(self, block_table, num_tokens, tail, last_hash, extra):
         self.block_table: list[int] = block_table
@@ -98,6 +104,7 @@ class _Sequence:
         self.last_hash: bytes = last_hash    # hash of the last full block (chain parent)
         self.extra: bytes = extra
         self.pending: bool = False           # the last token's id is not known yet
+        self.num_draft: int = 0              # trailing tokens awaiting verification
 
 
 class BlockManager:
@@ -147,7 +154,11 @@ class BlockManager:
         return list(self._get(seq_id).block_table)
 
     def num_tokens(self, seq_id) -> int:
+        """Tokens holding slots, draft tokens included."""
         return self._get(seq_id).num_tokens
+
+    def num_draft_tokens(self, seq_id) -> int:
+        return self._get(seq_id).num_draft
 
     def ref_count(self, block: int) -> int:
         return self._ref[check_block_id(block, self.num_blocks)]
@@ -195,7 +206,7 @@ class BlockManager:
     def snapshot(self) -> tuple:
         """Everything the manager holds, comparable with ``==`` (tests check nothing changed)."""
         seqs = tuple((k, tuple(s.block_table), s.num_tokens, tuple(s.tail), s.last_hash, s.extra,
-                      s.pending) for k, s in self._seqs.items())
+                      s.pending, s.num_draft) for k, s in self._seqs.items())
         return (tuple(self._ref), tuple(self._gen), tuple(self._free), seqs,
                 self._prefix.snapshot(), self.stats)
 
@@ -252,6 +263,7 @@ class BlockManager:
         if seq.pending:
             raise ValueError(f"append_token({seq_id!r}): its last token is still pending; call "
                              "set_token with the sampled id first")
+        self._check_no_draft(seq_id, seq, "append_token")
         if token_id is not None:
             token_id = _token_id(token_id, "token_id")  # fails here, before anything changes
         pos = seq.num_tokens & self._mask
@@ -275,7 +287,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             seq.tail.append(token_id)
             if pos == self._mask and token_id is not None:
-                self._seal(seq)
+                self._seal(seq, len(seq.block_table) - 1)
         return copies
 
     def set_token(self, seq_id, token_id: int) -> None:
@@ -288,7 +300,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             seq.tail[-1] = token_id
             if seq.num_tokens & self._mask == 0:  # the pending token filled its block
-                self._seal(seq)
+                self._seal(seq, len(seq.block_table) - 1)
         seq.pending = False
 
     def has_pending(self, seq_id) -> bool:
@@ -299,6 +311,7 @@ class BlockManager:
         parent = self._get(parent_id)
         if parent.pending:
             raise ValueError(f"fork: {parent_id!r} has a pending token; set_token first")
+        self._check_no_draft(parent_id, parent, "fork")
         if child_id in self._seqs:
             raise ValueError(f"fork: child {child_id!r} already exists; pick a new seq_id")
         ref = self._ref
@@ -316,8 +329,71 @@ class BlockManager:
         find blocks that hold nothing)."""
         seq = self._get(seq_id)
         del self._seqs[seq_id]
+        self._release(seq.block_table, uncache)
+
+    def can_append_draft(self, seq_id, num_draft: int) -> bool:
+        return self._blocks_to_append_draft(self._get(seq_id), num_draft) <= self.num_free_blocks
+
+    def append_draft(self, seq_id, draft_token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Give slots to draft tokens that a verify step will write; returns block copies
+        ``(src, dst)`` to apply first. No block holding a draft token is sealed: until
+        ``accept_draft`` the sequence takes no other token and cannot be forked.
+
+        A verify step of a sequence of n tokens (the last one not yet computed, as for a
+        decode) and k drafts writes KV at ``slots(seq_id, n - 1, n + k)``: k + 1 positions."""
+        seq = self._get(seq_id)
+        if seq.pending:
+            raise ValueError(f"append_draft({seq_id!r}): its last token is still pending; a draft "
+                             "continues known tokens: call set_token first")
+        self._check_no_draft(seq_id, seq, "append_draft")
+        if isinstance(draft_token_ids, (str, bytes)) or not hasattr(draft_token_ids, "__len__"):
+            raise TypeError(f"append_draft: draft_token_ids must be a list of ints, got "
+                            f"{type(draft_token_ids).__name__}")
+        drafts = [_token_id(t, f"draft_token_ids[{i}]") for i, t in enumerate(draft_token_ids)]
+        need = self._blocks_to_append_draft(seq, len(drafts))
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(f"append_draft({seq_id!r}, {len(drafts)} tokens)", need,
+                              self.num_free_blocks, self.num_blocks)
+        copies, table = [], seq.block_table
+        if drafts and seq.num_tokens & self._mask and self._ref[table[-1]] > 1:
+            new = self._take()  # shared partial block (after fork): copy before writing
+            self._ref[table[-1]] -= 1
+            copies.append((table[-1], new))
+            table[-1] = new
+        table.extend(self._take() for _ in range(need - len(copies)))
+        seq.num_tokens += len(drafts)
+        seq.num_draft = len(drafts)
+        if self.enable_prefix_caching:
+            seq.tail.extend(drafts)
+        return copies
+
+    def accept_draft(self, seq_id, num_accepted: int) -> None:
+        """Keep the first ``num_accepted`` draft tokens and roll the rest back: the sequence
+        shrinks, blocks past its new end are released, blocks the accepted tokens filled are
+        sealed (their KV was written by the verify step). Then append the target's own token."""
+        seq = self._get(seq_id)
+        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) or \
+                not 0 <= num_accepted <= seq.num_draft:
+            raise ValueError(f"accept_draft({seq_id!r}): num_accepted must be an int in "
+                             f"[0, {seq.num_draft}] (its draft tokens), got {num_accepted!r}")
+        committed = seq.num_tokens - seq.num_draft
+        seq.num_tokens = committed + num_accepted
+        rejected = seq.num_draft - num_accepted
+        seq.num_draft = 0
+        keep = -(-seq.num_tokens // self.block_size)
+        self._release(seq.block_table[keep:], uncache=False)
+        del seq.block_table[keep:]
+        if self.enable_prefix_caching:
+            del seq.tail[len(seq.tail) - rejected:]
+            i = committed // self.block_size  # the tail starts at this block
+            while len(seq.tail) >= self.block_size:
+                self._seal(seq, i)
+                i += 1
+
+    # ------------------------------------------------------------------ internals
+    def _release(self, blocks: list[int], uncache: bool) -> None:
         ref, prefix = self._ref, self._prefix
-        for b in reversed(seq.block_table):
+        for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
                 if prefix.is_registered(b) and not uncache:
@@ -326,7 +402,11 @@ class BlockManager:
                     prefix.forget(b)
                     self._free.append(b)
 
-    # ------------------------------------------------------------------ internals
+    def _check_no_draft(self, seq_id, seq: _Sequence, op: str) -> None:
+        if seq.num_draft:
+            raise ValueError(f"{op}({seq_id!r}): {seq.num_draft} draft token(s) await "
+                             "verification; call accept_draft(seq_id, num_accepted) first")
+
     def _get(self, seq_id) -> _Sequence:
         seq = self._seqs.get(seq_id)
         if seq is None:
@@ -347,19 +427,20 @@ class BlockManager:
         self._gen[b] += 1
         return b
 
-    def _seal(self, seq: _Sequence) -> None:
-        """The last block just became full: register it so later prompts can find it."""
-        tokens = array("q", seq.tail).tobytes()
-        seq.tail = []
+    def _seal(self, seq: _Sequence, i: int) -> None:
+        """Block ``i`` just became full of the tail's first block_size tokens, all known and
+        accepted: register it so later prompts can find it."""
+        tokens = array("q", seq.tail[:self.block_size]).tobytes()
+        del seq.tail[:self.block_size]
         h = self._hash_fn(seq.last_hash, tokens)
         seq.last_hash = h
         table = seq.block_table
-        if len(table) == 1:
+        if i == 0:
             self._prefix.register(table[0], h, (seq.extra, tokens))
         else:
-            parent = table[-2]
+            parent = table[i - 1]
             if self._prefix.is_registered(parent):
-                self._prefix.register(table[-1], h, ((parent, self._gen[parent]), tokens))
+                self._prefix.register(table[i], h, ((parent, self._gen[parent]), tokens))
 
     def _match(self, token_ids, extra: bytes) -> tuple[list[int], list[bytes], list[bytes]]:
         """Confirmed cache hits for a prompt's leading full blocks, with every full block's hash
@@ -393,6 +474,12 @@ class BlockManager:
         """Blocks left for new contents once the hits that were evictable are taken back."""
         revived = sum(1 for b in hits if self._ref[b] == 0)
         return self.num_free_blocks - revived
+
+    def _blocks_to_append_draft(self, seq: _Sequence, k: int) -> int:
+        if k == 0:
+            return 0
+        cow = 1 if seq.num_tokens & self._mask and self._ref[seq.block_table[-1]] > 1 else 0
+        return -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table) + cow
 
     def _blocks_to_append(self, seq: _Sequence) -> int:
         if seq.num_tokens & self._mask == 0:

@@ -1,0 +1,231 @@
+"""Speculative decoding: propose k tokens cheaply, check them in one target forward, keep a prefix.
+
+A verify step feeds a request's last token and its k draft tokens to the target as one
+(k + 1)-token query. Its k + 1 output distributions say, for each draft token, what the target
+would have produced there. The emitted tokens are the accepted drafts plus one token of the
+target's own, so a step emits between 1 and k + 1 tokens for one target forward. If each draft
+token is accepted independently with probability ``a`` (stopping at the first rejection), a
+step emits ``(1 - a^(k+1)) / (1 - a)`` tokens on average (:func:`expected_tokens_per_step`).
+
+- Proposers: :class:`NgramProposer` (prompt lookup: the request's own tokens) and
+  :class:`ControlledProposer` (a teaching draft of a chosen acceptance rate that costs nothing).
+- Acceptance: :func:`accept_greedy` (greedy requests: the output is exactly plain decoding's)
+  and :func:`rejection_sample` (sampled requests: the output distribution is exactly the
+  target's, whatever the draft).
+- Rollback of the rejected tokens' KV lives in ``BlockManager.append_draft`` / ``accept_draft``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Hashable, Sequence
+
+import torch
+
+from labkit import check_positive_int
+
+METHODS = ("ngram", "controlled", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How a request's next tokens are proposed: what ``LLM(..., speculative=...)`` is to take
+    (the engine does not run verify steps yet; these are its building blocks)."""
+    method: str = "ngram"           # "ngram", "controlled" or "draft" (a smaller model)
+    num_speculative_tokens: int = 4  # k: draft tokens per verify step
+    min_n: int = 1                  # ngram: shortest suffix n-gram looked up
+    max_n: int = 3                  # ngram: longest, tried first
+    acceptance: float = 0.8         # controlled: chance that each draft token is right
+    seed: int = 0                   # controlled: which tokens go wrong
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
+        check_positive_int("num_speculative_tokens", self.num_speculative_tokens,
+                           hint="k, the draft tokens each verify step checks")
+        check_positive_int("min_n", self.min_n, hint="the shortest n-gram looked up")
+        check_positive_int("max_n", self.max_n, hint="the longest n-gram looked up")
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n}): n-grams of "
+                             "max_n tokens are tried first, down to min_n")
+        a = self.acceptance
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise ValueError(f"acceptance must be a probability in [0, 1], got {a!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+
+# ---------------------------------------------------------------- proposers
+class NgramProposer:
+    """Prompt lookup: if the last n tokens occurred before in the request, propose what followed.
+
+    n goes from ``max_n`` down to ``min_n``: the longest match wins, and among its earlier
+    occurrences the most recent one. The proposal stops at k tokens or at the sequence's end
+    (an occurrence ending just before the suffix proposes fewer). No match: ``[]``.
+    It pays off when the output quotes its input: code edits, summaries, retrieval answers.
+    """
+
+    def __init__(self, min_n: int, max_n: int, k: int):
+        check_positive_int("k", k, hint="draft tokens per verify step")
+        SpeculativeConfig("ngram", k, min_n, max_n)  # validates min_n and max_n
+        self.min_n, self.max_n, self.k = min_n, max_n, k
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        tokens = list(token_ids)
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(length - n - 1, -1, -1):  # most recent earlier occurrence first
+                if tokens[start:start + n] == suffix:
+                    return tokens[start + n:start + n + self.k]
+        return []
+
+
+def _uniform(*key) -> float:
+    """A number in [0, 1) fixed by ``key``, the same in every process and batch order."""
+    digest = blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+class ControlledProposer:
+    """A draft with a chosen acceptance rate, read from the target's greedy continuation.
+
+    ``reference`` is the continuation an untimed greedy run of the target produced for the
+    request; ``start`` is how many of its tokens the request has emitted. Each of the next k
+    positions is proposed correctly (``reference[start + i]``) with probability ``acceptance``,
+    else as a different id. Every position draws its own coin, also after a wrong one: the
+    tokens past the first wrong one are never accepted (verification stops there), but the draft
+    keeps its length k, so every verify step has the same shape. The target's own token at the
+    wrong position is the reference's, so the request stays on the reference, and the next step
+    starts past that position with fresh coins: accepted lengths are independent, with
+    P(accepted >= i) = acceptance^i (capped at k). The coins depend only on
+    (seed, request_key, position), not on batching or preemption.
+    It costs nothing to run, so what it measures is the upper bound for a draft of that rate.
+    """
+
+    def __init__(self, acceptance: float, k: int, seed: int = 0):
+        check_positive_int("k", k, hint="draft tokens per verify step")
+        SpeculativeConfig("controlled", k, acceptance=acceptance, seed=seed)
+        self.acceptance, self.k, self.seed = acceptance, k, seed
+
+    def propose(self, reference: Sequence[int], start: int, vocab_size: int,
+                request_key: Hashable = 0) -> list[int]:
+        """Up to k tokens for positions ``start, start + 1, ...`` of ``reference``."""
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start:
+            raise ValueError(f"start must be an int >= 0 (tokens emitted so far), got {start!r}")
+        check_positive_int("vocab_size", vocab_size)
+        if vocab_size < 2 and self.acceptance < 1:
+            raise ValueError("vocab_size must be >= 2 for a wrong token to exist; "
+                             f"got {vocab_size} with acceptance {self.acceptance}")
+        out = []
+        for pos in range(start, min(start + self.k, len(reference))):
+            right = int(reference[pos])
+            if _uniform(self.seed, request_key, pos) < self.acceptance:
+                out.append(right)
+            else:  # uniform over the other vocab_size - 1 ids
+                shift = 1 + int(_uniform(self.seed, request_key, pos, "wrong") * (vocab_size - 1))
+                out.append((right + shift) % vocab_size)
+        return out
+
+
+# ---------------------------------------------------------------- acceptance
+def _ids(x, name: str) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [num_tokens], got shape {tuple(x.shape)}")
+        return x.tolist()
+    return [int(t) for t in x]
+
+
+def accept_greedy(draft_tokens, target_argmax) -> tuple[int, int]:
+    """Greedy verification: ``(num_accepted, next_token)``.
+
+    ``draft_tokens: [k]``; ``target_argmax: [k + 1]``, the target's argmax after the last token
+    and after each draft token. Drafts are accepted while they equal the target's choice; the
+    next token is the target's own at the first mismatch (or its bonus token after all k).
+    The emitted tokens are exactly what k + 1 plain greedy decode steps would produce.
+    """
+    draft, target = _ids(draft_tokens, "draft_tokens"), _ids(target_argmax, "target_argmax")
+    if len(target) != len(draft) + 1:
+        raise ValueError(f"target_argmax needs one entry per draft token plus one (the bonus "
+                         f"position): got {len(target)} for {len(draft)} draft tokens")
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return n, target[n]
+
+
+def rejection_sample(draft_tokens, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     generator: torch.Generator | None = None) -> list[int]:
+    """Sampled verification; returns the emitted tokens: the accepted drafts plus one more.
+
+    ``draft_tokens: [k]`` sampled from ``draft_probs: [k, vocab]`` (q);
+    ``target_probs: [k + 1, vocab]`` (p). Draft token x is accepted with probability
+    min(1, p(x) / q(x)). At the first rejection the replacement is drawn from
+    normalize(max(p - q, 0)), the mass p has that q under-proposed; if all k are accepted a
+    bonus token is drawn from p's last row. Each emitted token is then distributed exactly as
+    p: P(x) = q(x) min(1, p(x)/q(x)) + P(reject) (p(x) - q(x))+ / sum((p - q)+) = p(x).
+    """
+    draft = _ids(draft_tokens, "draft_tokens")
+    k = len(draft)
+    if draft_probs.dim() != 2 or draft_probs.shape[0] != k:
+        raise ValueError(f"draft_probs must be [k={k}, vocab], got {tuple(draft_probs.shape)}")
+    if target_probs.shape != (k + 1, draft_probs.shape[1]):
+        raise ValueError(f"target_probs must be [k + 1 = {k + 1}, vocab = "
+                         f"{draft_probs.shape[1]}], got {tuple(target_probs.shape)}")
+    out = []
+    for i, x in enumerate(draft):
+        p, q = target_probs[i], draft_probs[i]
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[x] < p[x]:  # u < p/q without dividing; q(x) = 0 < p(x) always accepts
+            out.append(x)
+            continue
+        residual = torch.clamp(p - q, min=0)
+        if residual.sum() <= 0:  # p == q up to rounding: no rejection should have happened
+            residual = p
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
+    return out
+
+
+# ---------------------------------------------------------------- statistics
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """Mean tokens a verify step emits when each draft token is right with probability a,
+    independently: 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)."""
+    if acceptance == 1:
+        return float(k + 1)
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Proposed and accepted draft tokens, over verify steps (one per request per step)."""
+    num_verifies: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        """One request's verify: ``num_proposed`` drafts, of which ``num_accepted`` kept."""
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(f"num_accepted ({num_accepted}) must be in [0, num_proposed = "
+                             f"{num_proposed}]")
+        self.num_verifies += 1
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else math.nan
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per verify."""
+        return self.num_accepted / self.num_verifies if self.num_verifies else math.nan
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Emitted tokens per target forward: the accepted drafts plus the target's own token."""
+        return 1 + self.mean_accepted_length
