@@ -7,12 +7,13 @@ from labkit.engine.request import Request, ScheduledSeq, ScheduledStep, Status, 
 from labkit.engine.runner import ModelRunner, StepOutput
 from labkit.engine.sampling import SamplingParams
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
+from labkit.engine.speculative import SpeculativeConfig
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
 from labkit.engine.weights import (init_random, load_model, load_weights, random_model,
                                    save_weights)
 
 __all__ = ["LLM", "AttentionFn", "EngineStats", "LlamaModel", "ModelConfig", "ModelRunner",
            "Request", "RequestOutput", "SamplingParams", "ScheduledSeq", "ScheduledStep",
-           "Scheduler", "SchedulerConfig", "Status", "StepMetadata", "StepOutput", "StepRecord",
-           "StepStats", "build_step_metadata", "init_random", "load_model", "load_weights",
-           "random_model", "save_weights"]
+           "Scheduler", "SchedulerConfig", "SpeculativeConfig", "Status", "StepMetadata",
+           "StepOutput", "StepRecord", "StepStats", "build_step_metadata", "init_random",
+           "load_model", "load_weights", "random_model", "save_weights"]

@@ -302,6 +302,7 @@ class SchedulerConfig:
     decode_buckets: tuple[int, ...] | None = None  # graph batch sizes, for padded-row stats
     vocab_size: int | None = None       # if given, prompt token ids are checked against it
     async_scheduling: bool = False      # schedule step N+1 before step N's tokens are known
+    speculative: "SpeculativeConfig | None" = None  # draft tokens verified in decode rows
 
     def __post_init__(self):
         check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens,
@@ -321,3 +322,16 @@ class SchedulerConfig:
                 raise ValueError(f"decode_buckets must be positive batch sizes, got "
                                  f"{self.decode_buckets!r}")
             object.__setattr__(self, "decode_buckets", buckets)
+        if self.speculative is not None:
+            from labkit.engine.speculative import SpeculativeConfig
+
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
+                                f"{type(self.speculative).__name__}")
+            if self.speculative.method != "ngram":
+                raise ValueError(f"speculative method {self.speculative.method!r} is not run by "
+                                 "the engine yet: use method='ngram' (prompt lookup)")
+            if self.async_scheduling:
+                raise ValueError("speculative decoding proposes from tokens the host knows, "
+                                 "which async scheduling has not read back yet: turn "
+                                 "async_scheduling off to speculate")

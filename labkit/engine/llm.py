@@ -38,6 +38,7 @@ from labkit.engine.request import Request, ScheduledStep
 from labkit.engine.runner import ModelRunner, resolve_cudagraph_mode
 from labkit.engine.sampling import SamplingParams, request_generator, sample
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
+from labkit.engine.speculative import SpeculativeConfig
 from labkit.engine.weights import load_model, random_model
 from labkit.kvcache import BlockManager
 from labkit.overlap import InFlightCopy, start_copy_to_host
@@ -101,7 +102,8 @@ class LLM:
                  seed: int = 0, tokenizer: Any = None, async_scheduling: bool | None = None,
                  fused_ops: bool | None = None, cudagraph_mode: str | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
-                 decode_context_buckets: Sequence[int] | None = None, compile: bool = False):
+                 decode_context_buckets: Sequence[int] | None = None, compile: bool = False,
+                 speculative: SpeculativeConfig | None = None):
         # The engine's own arguments first, by the names given here: a bad one must not surface
         # later as a derived quantity (num_blocks) the caller never passed.
         check_positive_int("max_num_seqs", max_num_seqs, hint="running requests at once")
@@ -148,14 +150,15 @@ class LLM:
                 decode_context_buckets), compile=bool(compile))
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
-        self.async_scheduling = (self.device.type == "cuda" if async_scheduling is None
-                                 else bool(async_scheduling))
+        if async_scheduling is None:  # speculation proposes from tokens read back already
+            async_scheduling = self.device.type == "cuda" and speculative is None
+        self.async_scheduling = bool(async_scheduling)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=self.runner.max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             decode_buckets=self.runner.decode_buckets, vocab_size=self.config.vocab_size,
-            async_scheduling=self.async_scheduling), self.block_manager)
+            async_scheduling=self.async_scheduling, speculative=speculative), self.block_manager)
         self.step_history: list[StepRecord] = []
         self._seeds = random.Random(seed)  # per-request seeds where SamplingParams has none
         self._next_id = 0
@@ -249,7 +252,8 @@ class LLM:
         req = None
         if error is None:
             req = self.scheduler.add_request(rid, ids, max_tokens=p.max_tokens,
-                                             eos_token_ids=p.stop_token_ids)
+                                             eos_token_ids=p.stop_token_ids,
+                                             speculate=p.greedy)  # verification is greedy
             error = req.error
         if error is not None:
             out = RequestOutput(rid, list(ids or []), [], "error", error, request_id=rid)
@@ -295,10 +299,13 @@ class LLM:
     def _launch(self, step: ScheduledStep, prev: _Launched | None) -> _Launched:
         start = self._now(sync=not self.async_scheduling)
         rows = [self._live[r.request_id] for r in step.rows if r.needs_logits]
+        # a verify row has a row of logits per position it checks, all greedy
+        per_logit = [self._live[r.request_id] for r in step.rows for _ in range(r.num_logits)]
         try:
             out = self.runner.execute(step, self.block_manager,
                                       None if prev is None else prev.tokens)
-            tokens = sample(out.logits, [e.params for e in rows], [e.generator for e in rows])
+            tokens = sample(out.logits, [e.params for e in per_logit],
+                            [e.generator for e in per_logit])
         except BaseException:
             self.scheduler.abort_step(step)
             raise
@@ -312,10 +319,12 @@ class LLM:
         sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
         end = self._now(sync=not self.async_scheduling)
         kept = [not e.request.finished for e in done.rows]  # a stop in the step before drops it
+        before = [len(e.request.output_token_ids) - 1 for e in done.rows]  # less its PENDING
         finished = self.scheduler.update(done.step, sampled)
-        for entry, keep in zip(done.rows, kept):
-            if keep:
-                entry.token_times_s.append(end - entry.arrival_s)
+        for entry, keep, n in zip(done.rows, kept, before):
+            if keep:  # a verify row may emit several tokens at once
+                new = len(entry.request.output_token_ids) - n
+                entry.token_times_s += [end - entry.arrival_s] * new
         self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
                                             end, done.graph_tokens))
         return [self._output(self._live.pop(r.request_id)) for r in finished]
@@ -359,7 +368,9 @@ class LLM:
             prefix_hit_tokens=sum(s.prefix_hit_tokens for s in h),
             preemptions=sum(s.num_preempted for s in h),
             num_piecewise_steps=sum(r.graph_tokens is not None for r in self.step_history),
-            padded_tokens=sum(r.padded_tokens for r in self.step_history))
+            padded_tokens=sum(r.padded_tokens for r in self.step_history),
+            num_spec_proposed=self.scheduler.spec_stats.num_proposed,
+            num_spec_accepted=self.scheduler.spec_stats.num_accepted)
 
     def history_table(self):
         """One row per step: the scheduler's statistics, graph or eager, and its time."""

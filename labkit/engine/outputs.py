@@ -68,6 +68,8 @@ class EngineStats:
     preemptions: int
     num_piecewise_steps: int = 0     # steps that replayed piecewise graphs
     padded_tokens: int = 0           # tokens computed for padding, full and piecewise graphs
+    num_spec_proposed: int = 0       # draft tokens verified (speculative decoding)
+    num_spec_accepted: int = 0       # of those, the ones the target agreed with
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -3,7 +3,8 @@
 A request's tokens are its prompt followed by its output so far; ``num_computed_tokens`` of them
 have KV in the cache. A step is a list of rows, one per request, each computing a contiguous run
 of positions: a decode row computes the last sampled token, a prefill row a chunk of the prompt
-(or, after preemption, of prompt and output alike).
+(or, after preemption, of prompt and output alike). With speculative decoding a decode row also
+carries draft tokens after its last sampled token: a verify row, whose every position samples.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is cached, or is being written this step
     num_cached_tokens: int = 0    # of those, served by the prefix cache at the last admission
     num_preemptions: int = 0
+    speculate: bool = False       # drafts may be proposed for it (greedy requests)
     error: str | None = None
     token_steps: list[int] = field(default_factory=list)  # the step that sampled each output
 
@@ -75,6 +77,19 @@ class ScheduledSeq:
     # Async scheduling: the input token is PENDING, sampled by the step still in flight; the
     # runner takes it from that step's device tokens, row ``input_from`` of its samples.
     input_from: int | None = None
+    # Speculative decoding: the last ``num_draft`` tokens are proposals to verify; the row then
+    # samples at each of its last num_draft + 1 positions (what the target would emit there).
+    num_draft: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this row produces: one per sampled position."""
+        return self.num_draft + 1 if self.needs_logits else 0
+
+    @property
+    def sample_position(self) -> int:
+        """Where the first token this row samples goes in prompt + output."""
+        return self.start + self.num_tokens - self.num_draft
 
     @property
     def request_id(self) -> Hashable:
@@ -97,6 +112,7 @@ class StepStats:
     num_preempted: int
     num_running: int        # after this step was scheduled
     num_waiting: int
+    num_spec_proposed: int = 0  # draft tokens verified in this step (in num_decode_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -117,8 +133,10 @@ class ScheduledStep:
 
     @property
     def is_decode_only(self) -> bool:
-        return bool(self.rows) and not any(r.is_prefill for r in self.rows)
+        """One new token per row, none a prefill: what a full decode graph replays."""
+        return bool(self.rows) and not any(r.is_prefill or r.num_draft for r in self.rows)
 
     @property
     def num_sampled(self) -> int:
-        return sum(r.needs_logits for r in self.rows)
+        """Rows of logits the step produces (a verify row gives one per position it checks)."""
+        return sum(r.num_logits for r in self.rows)

@@ -26,6 +26,13 @@ is then ``PENDING``: step N+1's decode row for that request reads it from the de
 request that reaches ``max_tokens`` with its pending token is left out of step N+1; one that
 samples a stop token in step N has already been given a row in step N+1, whose token is
 dropped (the price of not waiting for the GPU).
+
+Speculative decoding (``SchedulerConfig.speculative``, n-gram proposals; greedy requests): a
+decode row also carries up to k draft tokens after its last sampled token, and the target checks
+them all in that one row (a (k + 1)-token query, causal within it). The block manager gives the
+drafts slots without sealing them (``append_draft``); ``update`` keeps the longest prefix the
+target agrees with plus the target's own next token, and rolls the rest back (``accept_draft``).
+Drafts never preempt anyone: without room, or budget, a row verifies fewer or none.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from labkit import check_positive_int
 from labkit.engine.config import SchedulerConfig
 from labkit.engine.request import (PENDING, Request, ScheduledSeq, ScheduledStep, Status,
                                    StepStats)
+from labkit.engine.speculative import NgramProposer, SpecDecodeStats, propose_drafts, verify_row
 from labkit.graphs import bucket_for
 from labkit.kvcache.block_manager import BlockManager
 
@@ -73,16 +81,24 @@ class Scheduler:
         self._live: dict[Hashable, Request] = {}
         self._in_flight: deque[ScheduledStep] = deque()  # scheduled, not yet updated; in order
         self._next_step = 0
+        spec = config.speculative
+        self._proposer = None if spec is None else NgramProposer(
+            spec.min_n, spec.max_n, spec.num_speculative_tokens)
+        self.spec_stats = SpecDecodeStats()  # drafts proposed and accepted, over every step
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], *,
-                    max_tokens: int, eos_token_ids: Sequence[int] = ()) -> Request:
+                    max_tokens: int, eos_token_ids: Sequence[int] = (),
+                    speculate: bool = True) -> Request:
         """Queue a request. A prompt that can never be served is finished at once with
-        ``Status.FINISHED_ERROR`` and a message; nothing else is affected."""
+        ``Status.FINISHED_ERROR`` and a message; nothing else is affected. ``speculate``: its
+        decode rows may verify drafts (with ``SchedulerConfig.speculative``; greedy verification,
+        so pass False for a sampled request)."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already queued or running; use a new id")
         check_positive_int("max_tokens", max_tokens, hint="tokens to generate")
-        req = Request(request_id, list(prompt_token_ids), max_tokens, frozenset(eos_token_ids))
+        req = Request(request_id, list(prompt_token_ids), max_tokens, frozenset(eos_token_ids),
+                      speculate=bool(speculate) and self._proposer is not None)
         req.error = self._why_unservable(req)
         if req.error:
             req.status = Status.FINISHED_ERROR
@@ -177,7 +193,12 @@ class Scheduler:
             start = req.num_computed_tokens
             token = req.token_ids(start, start + 1)[0]
             plan.copies += self.bm.append_token(req.request_id, None if token == PENDING else token)
-            self._add_row(plan, req, start, 1, is_prefill=False)
+            drafts = [] if token == PENDING or not req.speculate else propose_drafts(
+                self._proposer, self.bm, req, plan.budget - 1, self.config.max_model_len)
+            if drafts:
+                plan.copies += self.bm.append_draft(req.request_id, drafts)
+            self._add_row(plan, req, start, 1, is_prefill=False, drafts=drafts)
+
 
     def _schedule_prefill_chunks(self, plan: "_Plan") -> None:
         """2. The next chunk of each running request still in its prompt, as large as the
@@ -225,16 +246,18 @@ class Scheduler:
             plan.hit_tokens += hit
             self._add_row(plan, req, hit, end - hit, is_prefill=True)
 
-    def _add_row(self, plan: "_Plan", req: Request, start: int, n: int, is_prefill: bool
-                 ) -> None:
-        """Tokens [start, start + n) of ``req`` into the step; the last one of a request's known
-        tokens samples, so it gets a PENDING output token."""
+    def _add_row(self, plan: "_Plan", req: Request, start: int, n: int, is_prefill: bool,
+                 drafts: Sequence[int] = ()) -> None:
+        """Tokens [start, start + n) of ``req`` into the step, then its ``drafts``; the last one
+        of a request's known tokens samples, so it gets a PENDING output token. Drafts' KV is
+        written too, but counts as computed only once ``update`` accepts it."""
         tokens = tuple(req.token_ids(start, start + n))
         source = plan.sample_row[req.request_id] if tokens[-1] == PENDING else None
         needs_logits = start + n == req.num_tokens
-        plan.rows.append(ScheduledSeq(req, start, n, tokens, is_prefill, needs_logits, source))
+        plan.rows.append(ScheduledSeq(req, start, n + len(drafts), tokens + tuple(drafts),
+                                      is_prefill, needs_logits, source, len(drafts)))
         plan.scheduled.add(req.request_id)
-        plan.budget -= n
+        plan.budget -= n + len(drafts)
         req.num_computed_tokens = start + n
         if needs_logits:
             req.output_token_ids.append(PENDING)
@@ -288,18 +311,20 @@ class Scheduler:
         decode = [r for r in rows if not r.is_prefill]
         padded = 0
         buckets = self.config.decode_buckets
-        if buckets and decode and not prefill:
+        if buckets and decode and not prefill and not any(r.num_draft for r in decode):
             bucket = bucket_for(len(decode), buckets, default=None)  # None: too big, eager
             padded = 0 if bucket is None else bucket - len(decode)
-        return StepStats(self._next_step, sum(r.num_tokens for r in prefill), len(decode),
-                         len(prefill), len(decode), padded, hit_tokens, num_preempted,
-                         len(self.running), len(self.waiting))
+        return StepStats(self._next_step, sum(r.num_tokens for r in prefill),
+                         sum(r.num_tokens for r in decode), len(prefill), len(decode), padded,
+                         hit_tokens, num_preempted, len(self.running), len(self.waiting),
+                         sum(r.num_draft for r in decode))
 
     # ------------------------------------------------------------------ results
     def update(self, step: ScheduledStep, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """Fill in the tokens ``step`` sampled, one per row that ``needs_logits`` (in row order),
-        and finish requests that stop. Steps are updated in the order they were scheduled.
-        Returns the requests that finished."""
+        """Fill in the tokens ``step`` sampled, ``row.num_logits`` per row (in row order: one,
+        or for a verify row the target's choice at each checked position), and finish requests
+        that stop. Steps are updated in the order they were scheduled. Returns the requests
+        that finished."""
         if not step.rows:
             return []
         if not self._in_flight or step is not self._in_flight[0]:
@@ -316,28 +341,42 @@ class Scheduler:
         finished = []
         tokens = iter(sampled)
         for row in (r for r in step.rows if r.needs_logits):
-            req, token = row.request, next(tokens)
+            req, chosen = row.request, [next(tokens) for _ in range(row.num_logits)]
             if req.finished:
                 continue  # stopped in the step before; this row ran on a token it never kept
-            position = row.start + row.num_tokens  # where the sampled token goes
+            position = row.sample_position  # where the (first) sampled token goes
+            emitted = verify_row(self.bm, row, chosen, self.spec_stats) if row.num_draft \
+                else chosen
             slot = position - len(req.prompt_token_ids)
             assert req.output_token_ids[slot] == PENDING, (req.request_id, slot)
-            req.output_token_ids[slot] = token
+            req.output_token_ids[slot:slot + 1] = emitted
+            req.token_steps[slot + 1:slot + 1] = [step.step_id] * (len(emitted) - 1)
             rid = req.request_id
-            if rid in self.bm and self.bm.has_pending(rid) and self.bm.num_tokens(rid) == \
-                    position + 1:  # the next step reserved its slot already
-                self.bm.set_token(rid, token)
-            if token in req.eos_token_ids:
+            if not row.num_draft and rid in self.bm and self.bm.has_pending(rid) and \
+                    self.bm.num_tokens(rid) == position + 1:  # the next step reserved its slot
+                self.bm.set_token(rid, emitted[0])
+            status = self._stop(req, slot, len(emitted))
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _stop(self, req: Request, first: int, count: int) -> Status | None:
+        """Whether one of the ``count`` tokens just placed at output slot ``first`` ends
+        ``req``; if so, the output is cut after it (a row scheduled after it, or a verified
+        token past it, keeps nothing)."""
+        for slot in range(first, first + count):
+            position = len(req.prompt_token_ids) + slot
+            if req.output_token_ids[slot] in req.eos_token_ids:
                 status = Status.FINISHED_STOPPED
             elif slot + 1 >= req.max_tokens or position + 1 >= self.config.max_model_len:
                 status = Status.FINISHED_LENGTH
             else:
                 continue
-            del req.output_token_ids[slot + 1:]  # a row scheduled after it samples nothing kept
+            del req.output_token_ids[slot + 1:]
             del req.token_steps[slot + 1:]
-            self._finish(req, status)
-            finished.append(req)
-        return finished
+            return status
+        return None
 
     def abort_step(self, step: ScheduledStep) -> None:
         """Undo a step that failed before its KV was written (the runner raised): its requests
@@ -351,7 +390,7 @@ class Scheduler:
         for row in step.rows:
             req = row.request
             if row.needs_logits:
-                slot = row.start + row.num_tokens - len(req.prompt_token_ids)
+                slot = row.sample_position - len(req.prompt_token_ids)
                 del req.output_token_ids[slot:]
                 del req.token_steps[slot:]
             if req.status is Status.RUNNING:

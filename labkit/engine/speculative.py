@@ -13,6 +13,7 @@ step emits ``(1 - a^(k+1)) / (1 - a)`` tokens on average (:func:`expected_tokens
   and :func:`rejection_sample` (sampled requests: the output distribution is exactly the
   target's, whatever the draft).
 - Rollback of the rejected tokens' KV lives in ``BlockManager.append_draft`` / ``accept_draft``.
+- In the engine: ``propose_drafts`` and ``verify_row``, called by the scheduler.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ METHODS = ("ngram", "controlled", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How a request's next tokens are proposed: what ``LLM(..., speculative=...)`` is to take
-    (the engine does not run verify steps yet; these are its building blocks)."""
+    """How a request's next tokens are proposed: ``LLM(..., speculative=...)``. The engine
+    runs ``"ngram"`` (greedy requests, async scheduling off); "controlled" and "draft" are
+    refused there for now."""
     method: str = "ngram"           # "ngram", "controlled" or "draft" (a smaller model)
     num_speculative_tokens: int = 4  # k: draft tokens per verify step
     min_n: int = 1                  # ngram: shortest suffix n-gram looked up
@@ -229,3 +231,34 @@ class SpecDecodeStats:
     def tokens_per_forward(self) -> float:
         """Emitted tokens per target forward: the accepted drafts plus the target's own token."""
         return 1 + self.mean_accepted_length
+
+
+# --- in the engine's scheduler ----------------------------------------------------------------
+
+def propose_drafts(proposer: NgramProposer, bm, req, budget: int, max_model_len: int
+                   ) -> list[int]:
+    """Draft tokens for a decode row of ``req`` (a ``labkit.engine.request.Request`` whose last
+    token was just appended to ``bm``): at most k, no more than ``budget`` tokens, than its
+    max_tokens and max_model_len could keep, and only if the blocks for them are free (drafts
+    never preempt anyone)."""
+    room = min(budget, req.max_tokens - len(req.output_token_ids) - 1,
+               max_model_len - req.num_tokens - 1)
+    if room <= 0:
+        return []
+    drafts = proposer.propose(req.token_ids(0, req.num_tokens))[:room]
+    if drafts and not bm.can_append_draft(req.request_id, len(drafts)):
+        return []
+    return drafts
+
+
+def verify_row(bm, row, targets: Sequence[int], stats: SpecDecodeStats) -> list[int]:
+    """The tokens a verify row emits (a ``ScheduledSeq`` with ``num_draft`` drafts; ``targets``:
+    the target's greedy choice at each of its num_draft + 1 positions): the drafts it agrees
+    with, then its own. The rejected drafts' slots are rolled back in ``bm``; the accepted ones'
+    KV, written by this row, counts as computed."""
+    drafts = row.token_ids[-row.num_draft:]
+    accepted, bonus = accept_greedy(drafts, targets)
+    bm.accept_draft(row.request_id, accepted)
+    stats.record(row.num_draft, accepted)
+    row.request.num_computed_tokens += accepted
+    return [*drafts[:accepted], bonus]

@@ -62,8 +62,8 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
         cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_tokens)
         seq_lens.append(end)
         tables.append(bm.block_table(rid))
-        if row.needs_logits:
-            logits_indices.append(cu_seqlens_q[-1] - 1)
+        last = cu_seqlens_q[-1] - 1
+        logits_indices += range(last - row.num_logits + 1, last + 1)
     width = max((len(t) for t in tables), default=0)
     if max_blocks_per_seq is not None:
         if width > max_blocks_per_seq:
