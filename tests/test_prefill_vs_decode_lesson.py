@@ -302,6 +302,10 @@ def test_over_rounds_the_ttft_claim_needs_every_round_within_the_factor(rec):
     assert held(pc.interference_claims(steady, base, host_bound=False))[1] is True
     one_slow = rounds(on, [1.1 * ttft, 3.4 * ttft, 1.05 * ttft])  # 1.7x in round 2
     assert held(pc.interference_claims(one_slow, base, host_bound=False))[1] is False
+    # the one long step slowed alone in round 2 (chunked 0.55x there): noise, not added work
+    whole_slow = rounds(off, [ttft, 2 * ttft, ttft])
+    assert held(pc.interference_claims(rounds(on, [1.1 * ttft, 1.1 * ttft, 1.05 * ttft]),
+                                       whole_slow, host_bound=False))[1] is True
     # the same two medians with no rounds would have passed: the ranges are what fail it
     assert held(pc.interference_claims(dataclasses.replace(one_slow, round_figures=None,
                                                            long_ttft_ms=1.1 * ttft),

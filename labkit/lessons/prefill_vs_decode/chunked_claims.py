@@ -76,7 +76,9 @@ SAME_WORK = 1.5  # chunked/whole TTFT within this factor: the same work, split o
 def _long_ttft_claim(on, off, where: str, *, host_bound: bool, recorded=None):
     """Where the chunks are host-bound (a GPU), each one pays a step's fixed host cost, so
     chunking makes the long prompt wait longer; where the arithmetic dominates (a CPU), the
-    prompt's work is the same split or not, and so is its TTFT, within ``SAME_WORK``."""
+    prompt's work is the same split or not, so its TTFT stays within ``SAME_WORK`` of one
+    step's. A round where chunked is the faster one is noise in the one long step (a hiccup
+    of the machine lands in it whole), not work saved, and does not fail the claim."""
     x = _per_round(on, "long_ttft_ms", off, "long_ttft_ms")
     a, b = Spread.of(on.per_round("long_ttft_ms")), Spread.of(off.per_round("long_ttft_ms"))
     if host_bound:
@@ -87,7 +89,7 @@ def _long_ttft_claim(on, off, where: str, *, host_bound: bool, recorded=None):
     return claim("Chunked, the long prompt's own TTFT is {a:.1f} ms against {b:.1f} ms in one "
                  "step{where} ({x:.2fx}): where the arithmetic, not the host, sets a step's "
                  "time, splitting the prompt does not add work, and its TTFT stays within "
-                 "{same}x{every}.", x.above(1 / SAME_WORK) and x.below(SAME_WORK),
+                 "{same}x of the one step's{every}.", x.below(SAME_WORK),
                  a=a, b=b, where=where, x=x, same=SAME_WORK,
                  every=" in every round" if x.rounds > 1 else "", recorded=recorded)
 
