@@ -18,10 +18,13 @@ GPU_CHECK_ARGS ?=
 FROM ?=
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: help lab test run gpu-check record handouts reset venv clean chromium student instructor
+.PHONY: help lab hub test run gpu-check record handouts reset venv clean chromium proxy student instructor
 help:
 	@echo "make lab        set up .venv and open JupyterLab on notebooks/ (127.0.0.1, with a token)"
 	@echo "                STUDENT=1: on the student copy in student/ instead (solutions as stubs)"
+	@echo "make hub        JupyterHub for many learners: own lab, student copy and GPU/MIG slice each"
+	@echo "                (127.0.0.1:8000; HUB_IP=0.0.0.0 only behind TLS; HUB_CONFIG=your config file)"
+	@echo "make proxy      install configurable-http-proxy (npm, pinned) into hub/node_modules (make hub does)"
 	@echo "make test       set up .venv if needed and run every test, notebooks included"
 	@echo "make run        execute every notebook headless into runs/<timestamp>/ with a summary"
 	@echo "make gpu-check  on a CUDA host: GPU tests, notebooks at full size, benchmarks -> gpu-results/"
@@ -51,7 +54,7 @@ $(VENV)/.installed: pyproject.toml
 	  [ -x $(VPY) ] || $(PYTHON) -m venv $(VENV); \
 	  $(VPY) -m pip install -q --disable-pip-version-check $(TORCH_CPU) $(TRITON_CPU) '$(NUMPY_CPU)'; \
 	fi; \
-	$(VPY) -m pip install -q --disable-pip-version-check -e '.[lab,test]'; \
+	$(VPY) -m pip install -q --disable-pip-version-check -e '.[lab,test,hub]'; \
 	$(VPY) -m pip uninstall -q -y rfc3987-syntax 2>/dev/null || true; \
 	$(VPY) -m ipykernel install --sys-prefix --name labkit --display-name "labkit (.venv)" >/dev/null; \
 	touch $@
@@ -61,7 +64,27 @@ STUDENT ?=
 lab: venv
 	$(VPY) -m labkit.tools.lab_server$(if $(STUDENT), --student student)
 
+# A workshop's hub (README: "Running a workshop: many learners"). PAM sign-in and one OS account
+# per learner need root; HUB_CONFIG names a JupyterHub config file (authenticator, devices).
+HUB_IP ?= 127.0.0.1
+HUB_PORT ?= 8000
+HUB_CONFIG ?=
+hub: venv proxy
+	$(VPY) -m labkit.tools.hub --ip $(HUB_IP) --port $(HUB_PORT)$(if $(HUB_CONFIG), --config $(HUB_CONFIG))
+
+# JupyterHub's configurable-http-proxy, from the npm registry at the versions hub/package-lock.json
+# pins, into hub/node_modules (nothing is fetched when the hub runs). Needs node >= 20 and npm.
+PROXY_STAMP := hub/node_modules/.installed
+proxy: $(PROXY_STAMP)
+$(PROXY_STAMP): hub/package.json hub/package-lock.json
+	@command -v npm >/dev/null || { echo "labkit: installing configurable-http-proxy needs node >= 20 and npm" \
+	  "(e.g. apt-get install nodejs npm)"; exit 1; }
+	cd hub && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# The hub test needs the proxy: when it cannot be installed, the test fails and says why.
 test: venv chromium
+	@$(MAKE) --no-print-directory proxy || echo "labkit: could not install configurable-http-proxy; the hub test will say so"
 	$(VPY) -m pytest
 
 # The browser test drives Debian's chromium (no browser download); installed here when missing.
@@ -94,4 +117,4 @@ reset:
 	$(GPY) -m labkit.tools.handouts --strip notebooks/
 
 clean:
-	rm -rf $(VENV) runs test-results build *.egg-info
+	rm -rf $(VENV) runs test-results build *.egg-info hub/node_modules
