@@ -46,3 +46,17 @@ def max_err(out, ref):
 
 def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def captured(step):
+    """(a CUDA Graph of ``step()``, what the captured call returned): warmed up on a side
+    stream first (compiles, allocations), as capture needs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -16,7 +16,8 @@ from labkit.attention import (flash_attention, flash_attention_ref, paged_attent
 from labkit.kernels.paged_attention_split import (choose_num_splits, merge_splits,
                                                   merge_splits_ref)
 
-from attention_cases import CPU_TOL, FP8, cu_seqlens, fresh_seed, max_err, packed, paged, rel_err
+from attention_cases import (CPU_TOL, FP8, captured, cu_seqlens, fresh_seed, max_err, packed,
+                             paged, rel_err)
 
 # --- flash_attention (interpreter) ------------------------------------------------------------
 
@@ -291,14 +292,7 @@ def test_gpu_uniform_decode_replays_in_a_cuda_graph_with_new_inputs():
     def step():  # no host sync: check=False and max_query_len given, as in a captured decode
         return paged_attention(q, k, v, table, cu, lens, check=False, max_query_len=1)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     q.copy_(torch.randn_like(q))  # copy_ into the captured buffers, never rebind them
     lens.copy_(torch.tensor([101, 38, 300, 10], dtype=torch.int32))
     graph.replay()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import labkit  # noqa: F401
 from labkit.attention import paged_attention_ref, paged_mla_attention, paged_mla_attention_ref
 
-from attention_cases import cu_seqlens, fresh_seed, max_err, rel_err
+from attention_cases import captured, cu_seqlens, fresh_seed, max_err, rel_err
 
 RANK, ROPE = 32, 16          # interpreter-sized latent and rotary widths (DeepSeek: 512, 64)
 SCALE = 1 / math.sqrt(24 + ROPE)  # the model's: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
@@ -176,14 +176,7 @@ def test_gpu_mla_decode_replays_in_a_cuda_graph_with_new_inputs():
         paged_mla_attention(q_latent, q_rope, cache, table, cu, lens, scale=192 ** -0.5,
                             check=False, max_query_len=1, out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = captured(step)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     q_latent.copy_(torch.randn(q_latent.shape, generator=g).to("cuda", torch.bfloat16))
     lens.copy_(torch.tensor([90, 64, 1500, 12], dtype=torch.int32))
