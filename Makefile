@@ -94,6 +94,11 @@ chromium:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
 	  || echo "labkit: could not install chromium; the browser test will say so"; }
+	@# the claims' held / not-held marks are emoji: without a font for them the screenshots show boxes
+	@fc-list 2>/dev/null | grep -qi "color emoji" || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fonts-noto-color-emoji >/dev/null \
+	  || echo "labkit: could not install an emoji font; screenshots will show boxes for the marks"; }
 
 run: venv
 	$(VPY) -m labkit.tools.run_notebooks --out runs/$(STAMP)
