@@ -4,6 +4,7 @@ read the other's files; everything stops when the hub does."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -89,6 +90,13 @@ def ready_server(user_url: str, token: str) -> dict | None:
     """The user's default server as the hub's API shows it, once it is ready."""
     server = call("GET", user_url, token)[1].get("servers", {}).get("", {})
     return server if server.get("ready") else None
+
+
+def in_own_loop(coro):
+    """``asyncio.run(coro)`` on a thread of its own: in the full suite an earlier test (the
+    browser test's Playwright) leaves an event loop running in the main thread."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 async def run_cell(ws_url: str, token: str, code: str) -> str:
@@ -180,7 +188,7 @@ def test_two_learners_each_get_their_own_lab_copy_and_device_and_nothing_outlive
             assert status == 201, f"{name} starting a notebook's kernel: HTTP {status}"
             kernel = session["kernel"]["id"]
             ws_url = f"ws://127.0.0.1:{port}/user/{name}/api/kernels/{kernel}/channels"
-            out = asyncio.run(run_cell(ws_url, tokens[name], "import json, os\nprint(json.dumps("
+            out = in_own_loop(run_cell(ws_url, tokens[name], "import json, os\nprint(json.dumps("
                                        "[os.environ.get('CUDA_VISIBLE_DEVICES'), os.getcwd(), "
                                        "os.getpid()]))"))
             seen[name], cwd, pids[f"{name}'s kernel"] = json.loads(out)
