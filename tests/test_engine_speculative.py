@@ -1,14 +1,19 @@
-"""Speculative decoding in the engine: n-gram drafts verified in decode rows, greedy.
+"""Speculative decoding in the engine: n-gram and controlled drafts verified in decode rows.
 
-The rule every test leans on: greedy verification emits exactly the tokens plain greedy decoding
-would, whatever the drafts, so outputs with and without speculation must be identical, with
-prefix caching, chunked prefill, preemption, stop tokens and max_tokens in play.
+The rules every test leans on: greedy verification emits exactly the tokens plain greedy
+decoding would, whatever the drafts, so outputs with and without speculation must be identical,
+with prefix caching, chunked prefill, preemption, stop tokens and max_tokens in play; and the
+rejection rule keeps a sampled request's output distributed exactly as without speculation.
 """
+import math
+
 import pytest
 import torch
 
 from labkit.engine import LLM, ModelConfig, SamplingParams, SpeculativeConfig
 from labkit.engine.config import SchedulerConfig
+from labkit.engine.sampling import sampling_probs
+from labkit.engine.speculative import expected_tokens_per_step
 
 TINY = ModelConfig.tiny()
 # A prompt that repeats (n-gram lookups find it), one the model tends to loop on, a plain one
@@ -72,14 +77,128 @@ def test_max_tokens_holds_when_a_verify_could_emit_past_it(plain, max_tokens):
     assert outputs(spec, max_tokens=max_tokens) == [o[:max_tokens] for o in plain]
 
 
-def test_sampled_requests_decode_without_drafts_beside_greedy_ones(plain):
+def test_tokens_are_forwards_plus_accepted_drafts_per_request_and_in_total():
     spec = engine(speculative=SpeculativeConfig("ngram", 4))
+    done = spec.generate(PROMPTS, SamplingParams(max_tokens=24))
+    for o in done:  # each forward that samples emits its accepted drafts and one token more
+        assert len(o.token_ids) == o.num_forwards + o.num_spec_accepted
+        assert o.num_spec_accepted <= o.num_spec_proposed
+    assert sum(o.num_spec_proposed for o in done) == spec.stats.num_spec_proposed
+    assert sum(o.num_spec_accepted for o in done) == spec.stats.num_spec_accepted
+    assert sum(o.num_spec_verifies for o in done) == spec.stats.num_spec_verifies
+    assert min(o.forwards_per_token for o in done) < 1, "no request gained from its drafts"
+    assert spec.stats.mean_accepted_length == pytest.approx(
+        spec.stats.num_spec_accepted / spec.stats.num_spec_verifies)
+    assert all(o.forwards_per_token == 1 for o in engine().generate(PROMPTS)), "plain decoding"
+
+
+# ---------------------------------------------------------------- controlled draft
+# What it shows is the upper bound for a draft of that acceptance rate, on random weights: its
+# proposals cost nothing, and its right tokens are the target's own.
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("k", [1, 3])
+def test_controlled_greedy_outputs_are_those_of_plain_decoding(plain, acceptance, k):
+    spec = engine(speculative=SpeculativeConfig("controlled", k, acceptance=acceptance))
+    done = spec.generate(PROMPTS, SamplingParams(max_tokens=24))
+    assert [o.token_ids for o in done] == plain
+    stats = spec.stats
+    assert stats.num_spec_proposed > 0
+    if acceptance == 1:  # drafts never run past max_tokens, so none is truncated there
+        assert stats.num_spec_accepted == stats.num_spec_proposed
+        assert all(o.num_spec_accepted == o.num_spec_proposed for o in done)
+    if acceptance == 0:
+        assert stats.num_spec_accepted == 0
+    assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks, "a block leaked"
+
+
+def test_the_controlled_reference_run_is_invisible_to_the_timed_engine():
+    """At acceptance 0 every verify emits one token, as a decode step would: same steps, same
+    prefill, same prefix hits as plain decoding, so nothing of the reference run is counted."""
+    base = engine()
+    outputs(base)
+    spec = engine(speculative=SpeculativeConfig("controlled", 2, acceptance=0.0))
+    outputs(spec)
+    a, b = base.stats, spec.stats
+    assert (b.num_steps, b.prefill_tokens, b.prefix_hit_tokens) == \
+        (a.num_steps, a.prefill_tokens, a.prefix_hit_tokens)
+    assert len(spec.step_history) == b.num_steps
+    assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
+
+
+def test_controlled_mean_accepted_length_follows_the_formula():
+    """Accepted drafts per verify: a + a^2 + ... + a^k (each right with probability a, until the
+    first wrong one). The coins are fixed per (seed, request, position), so this cannot flake;
+    4 standard errors of ~300 verifies (sd ~1.6) leave room for another seed too."""
+    a, k = 0.8, 4
+    spec = engine(speculative=SpeculativeConfig("controlled", k, acceptance=a))
+    prompts = [[i, i + 1, i + 2] for i in range(0, 160, 10)]
+    done = spec.generate(prompts, SamplingParams(max_tokens=64))
+    stats = spec.stats
+    assert stats.num_spec_verifies > 250
+    expected = expected_tokens_per_step(a, k) - 1  # 2.36
+    assert stats.mean_accepted_length == pytest.approx(expected, abs=0.4)
+    forwards = sum(o.num_forwards for o in done) / sum(len(o.token_ids) for o in done)
+    assert forwards == pytest.approx(1 / (1 + expected), abs=0.05)  # the prefill's: +0.016
+
+
+def test_a_sampled_request_gets_no_controlled_drafts_its_reference_is_greedy(plain):
+    spec = engine(speculative=SpeculativeConfig("controlled", 4, acceptance=1.0))
     params = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=0.8,
                                                             seed=3)]
     done = spec.generate(PROMPTS[:2], params)
-    assert done[0].token_ids == plain[0]
-    sampled = engine().generate(PROMPTS[1:2], params[1:])[0].token_ids
-    assert done[1].token_ids == sampled, "a sampled request was speculated on"
+    assert done[0].token_ids == plain[0] and done[0].num_spec_proposed > 0
+    assert done[1].num_spec_proposed == 0
+    assert done[1].token_ids == engine().generate(PROMPTS[1:2], params[1:])[0].token_ids
+
+
+# ---------------------------------------------------------------- sampled requests
+def test_a_sampled_request_is_verified_and_reproducible_from_its_seed():
+    # the random model's logits lie close together: a low temperature gives drafts a chance
+    params = SamplingParams(max_tokens=24, temperature=0.01, seed=3)
+    alone = engine(speculative=SpeculativeConfig("ngram", 4)).generate(PROMPTS[:1], params)[0]
+    crowd = engine(speculative=SpeculativeConfig("ngram", 4)).generate(
+        PROMPTS, [params] + [SamplingParams(max_tokens=24, temperature=0.5, seed=9)] * 3)[0]
+    assert alone.num_spec_proposed > 0 and alone.num_spec_accepted > 0
+    assert crowd.token_ids == alone.token_ids, "its tokens depend on its seed, not the batch"
+    other = engine(speculative=SpeculativeConfig("ngram", 4)).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=24, temperature=0.01, seed=4))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def chi2_critical(df: int, z: float = 5.0) -> float:
+    """The chi-square exceeded with the probability of a z-sigma normal tail (z = 5: 3e-7),
+    by the Wilson-Hilferty approximation."""
+    c = 2 / (9 * df)
+    return df * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def test_sampled_outputs_with_speculation_follow_the_targets_distribution():
+    """Vocabulary 4, 2000 seeds, 4 tokens each: the joint distribution of the 4-token outputs,
+    counted, against the exact one from the model's plain forward (chi-square, cells with
+    fewer than 5 expected pooled). Tokens 2-4 come from verify rows with 2 n-gram drafts."""
+    n, temperature = 2000, 0.05  # a low temperature: a peaked p, drafts accepted and rejected
+    llm = LLM(ModelConfig.tiny(vocab_size=4), device="cpu", max_num_seqs=512,
+              max_num_batched_tokens=8192, speculative=SpeculativeConfig("ngram", 2))
+    prompt = [0, 1, 2, 3, 2, 1, 0, 3, 1]
+    params = SamplingParams(max_tokens=4, temperature=temperature)
+    exact = {(): 1.0}
+    for _ in range(4):  # P(t1..tj) = P(t1..tj-1) * p(tj | prompt, t1..tj-1)
+        prefixes = list(exact)
+        logits = llm.model.forward(torch.tensor([prompt + list(t) for t in prefixes]))[:, -1]
+        exact = {t + (x,): exact[t] * float(q) for t, row in zip(prefixes, logits)
+                 for x, q in enumerate(sampling_probs(row, params))}
+    done = llm.generate([prompt] * n, [SamplingParams(max_tokens=4, temperature=temperature,
+                                                      seed=s) for s in range(n)])
+    assert llm.stats.num_spec_verifies > n and 0 < llm.stats.num_spec_accepted
+    counts = {t: 0 for t in exact}
+    for o in done:
+        counts[tuple(o.token_ids)] += 1
+    big = [t for t in exact if exact[t] * n >= 5]
+    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
+    expected = [exact[t] * n for t in big] + [n - sum(exact[t] * n for t in big)]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    assert len(big) > 10
+    assert stat < chi2_critical(len(big)), f"chi-square {stat:.1f} over {len(big)} cells"
 
 
 def test_a_verify_step_is_not_a_decode_only_step_and_counts_its_drafts():
@@ -98,7 +217,7 @@ def test_a_verify_step_is_not_a_decode_only_step_and_counts_its_drafts():
 
 
 @pytest.mark.parametrize("kw,error,words", [
-    (dict(speculative=SpeculativeConfig("controlled", 4)), ValueError, "method='ngram'"),
+    (dict(speculative=SpeculativeConfig("draft", 4)), ValueError, "'draft'.*not built yet"),
     (dict(speculative=SpeculativeConfig("ngram", 4), async_scheduling=True), ValueError,
      "async_scheduling off"),
     (dict(speculative={"method": "ngram"}), TypeError, "SpeculativeConfig"),

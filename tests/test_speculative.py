@@ -7,7 +7,7 @@ import torch
 
 from labkit.engine.speculative import (
     ControlledProposer, NgramProposer, SpecDecodeStats, SpeculativeConfig, accept_greedy,
-    expected_tokens_per_step, rejection_sample,
+    expected_tokens_per_step, rejection_sample, rejection_sample_point_drafts,
 )
 
 
@@ -177,6 +177,30 @@ def test_rejection_sampling_emits_tokens_distributed_as_the_target(name):
     assert chi2(first, P[0]) < CHI2_DF4_P1E4, f"first tokens {first.tolist()} vs p {P[0]}"
     assert chi2(second, P[1]) < CHI2_DF4_P1E4, f"second tokens {second.tolist()} vs p {P[1]}"
     assert chi2(bonus, P[0]) < CHI2_DF4_P1E4, f"bonus tokens {bonus.tolist()} vs p {P[0]}"
+
+
+@pytest.mark.parametrize("draft", [[1, 4], [0, 3], [4, 4]], ids=["likely", "top", "no mass"])
+def test_a_deterministic_draft_keeps_the_target_distribution(draft):
+    """n-gram and controlled drafts are fixed tokens: q is a point mass, x is kept with
+    probability p(x), and a rejection draws from p without x."""
+    target = torch.cat([P, P[:1]])
+    g = torch.Generator().manual_seed(0)
+    first, second, bonus = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    for _ in range(3000):
+        out = rejection_sample_point_drafts(draft, target, g)
+        assert out[:len(out) - 1] == draft[:len(out) - 1]
+        if len(out) < 3:
+            assert out[-1] != draft[len(out) - 1], "a rejected draft token is never drawn back"
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+        if len(out) == 3:
+            bonus[out[2]] += 1
+    assert chi2(first, P[0]) < CHI2_DF4_P1E4, f"first tokens {first.tolist()} vs p {P[0]}"
+    if second.sum():
+        assert chi2(second, P[1]) < CHI2_DF4_P1E4, f"second {second.tolist()} vs p {P[1]}"
+    if bonus.sum():
+        assert chi2(bonus, P[0]) < CHI2_DF4_P1E4, f"bonus {bonus.tolist()} vs p {P[0]}"
 
 
 def test_rejection_sample_checks_shapes():

@@ -328,9 +328,13 @@ class SchedulerConfig:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
                                 f"{type(self.speculative).__name__}")
-            if self.speculative.method != "ngram":
-                raise ValueError(f"speculative method {self.speculative.method!r} is not run by "
-                                 "the engine yet: use method='ngram' (prompt lookup)")
+            if self.speculative.method == "draft":
+                raise ValueError("speculative method 'draft' (a smaller draft model) is not built "
+                                 "yet: use method='ngram' (prompt lookup) or 'controlled' (a "
+                                 "teaching draft of a chosen acceptance rate)")
+            if self.speculative.method == "controlled" and self.vocab_size is None:
+                raise ValueError("speculative method 'controlled' needs vocab_size: its wrong "
+                                 "drafts are drawn from the vocabulary")
             if self.async_scheduling:
                 raise ValueError("speculative decoding proposes from tokens the host knows, "
                                  "which async scheduling has not read back yet: turn "

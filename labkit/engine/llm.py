@@ -36,9 +36,9 @@ from labkit.engine.model import LlamaModel
 from labkit.engine.outputs import FINISH_REASONS, EngineStats, RequestOutput, StepRecord
 from labkit.engine.request import Request, ScheduledStep
 from labkit.engine.runner import ModelRunner, resolve_cudagraph_mode
-from labkit.engine.sampling import SamplingParams, request_generator, sample
+from labkit.engine.sampling import SamplingParams, request_generator
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
-from labkit.engine.speculative import SpeculativeConfig
+from labkit.engine.speculative import SpeculativeConfig, sample_with_drafts
 from labkit.engine.weights import load_model, random_model
 from labkit.kvcache import BlockManager
 from labkit.overlap import InFlightCopy, start_copy_to_host
@@ -214,7 +214,9 @@ class LLM:
         # Every check before the first request is queued: a refused call changes nothing.
         token_ids = [token_ids_of(i, p, self.tokenizer) for i, p in enumerate(prompts)]
         params = params_for(len(prompts), sampling_params, self.config.vocab_size)
-        ids = [self._add(prompt, ids, p) for prompt, ids, p in zip(prompts, token_ids, params)]
+        references = self._references(token_ids, params)  # untimed, before any arrival
+        ids = [self._add(prompt, ids, p, ref)
+               for prompt, ids, p, ref in zip(prompts, token_ids, params, references)]
         done: dict[int, RequestOutput] = {}
         for rid in ids:  # refused at once
             if rid in self._finished:
@@ -232,16 +234,55 @@ class LLM:
         return outputs
 
     def add_request(self, prompt: Sequence[int] | str | torch.Tensor,
-                    sampling_params: SamplingParams | None = None) -> int:
+                    sampling_params: SamplingParams | None = None, *,
+                    reference: Sequence[int] | None = None) -> int:
         """Queue one request now (its arrival time); returns its id. A prompt or params of the
         wrong type raise (nothing is queued, no id is used). A request that cannot be served
-        finishes at once with an error (see ``step``'s outputs or ``generate``)."""
+        finishes at once with an error (see ``step``'s outputs or ``generate``).
+        ``reference``: with the controlled draft, the request's greedy continuation; without
+        one it is computed here first (untimed for this request, but requests already running
+        wait for it: pass it, or use ``generate``, when they are being timed)."""
         ids = token_ids_of(0, prompt, self.tokenizer)
         p = check_params(sampling_params or SamplingParams(), "sampling_params",
                          self.config.vocab_size)
-        return self._add(prompt, ids, p)
+        if reference is None:
+            reference = self._references([ids], [p])[0]
+        return self._add(prompt, ids, p, reference)
 
-    def _add(self, prompt, ids: list[int] | None, p: SamplingParams) -> int:
+    def _references(self, token_ids: Sequence[list[int] | None],
+                    params: Sequence[SamplingParams]) -> list[list[int] | None]:
+        """The controlled draft's reference for each request: its greedy continuation, from an
+        untimed plain run (None for a sampled request, or without the controlled draft).
+
+        The run is a second engine over the same weights with speculation off, its own small KV
+        cache, no prefix caching and no graphs: this engine's clock, statistics, step history
+        and prefix cache never see it. Its tokens are the target's own, so what the controlled
+        draft shows is the upper bound for a draft of its acceptance rate on random weights (a
+        near tie that another batch shape breaks the other way can only lower acceptance; the
+        output stays plain greedy decoding's either way)."""
+        spec = self.scheduler.config.speculative
+        todo = [i for i, (ids, p) in enumerate(zip(token_ids, params))
+                if spec is not None and spec.method == "controlled" and ids and p.greedy]
+        references: list[list[int] | None] = [None] * len(token_ids)
+        if not todo:
+            return references
+        bs, max_len = self.block_manager.block_size, self.runner.max_model_len
+        need = [-(-min(len(token_ids[i]) + params[i].max_tokens, max_len) // bs) for i in todo]
+        num_blocks = min(self.block_manager.num_blocks, max(sum(need), 1))
+        cfg = self.scheduler.config
+        reference_llm = LLM(self.model, num_blocks=num_blocks, block_size=bs,
+                            max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            backend=self.backend, fused_ops=self.fused_ops,
+                            cudagraph_mode="none", enable_prefix_caching=False,
+                            async_scheduling=False, tokenizer=None)
+        outs = reference_llm.generate([token_ids[i] for i in todo], [params[i] for i in todo])
+        for i, out in zip(todo, outs):
+            references[i] = out.token_ids
+        return references
+
+    def _add(self, prompt, ids: list[int] | None, p: SamplingParams,
+             reference: list[int] | None = None) -> int:
         rid = self._next_id
         self._next_id += 1
         error = None
@@ -253,7 +294,7 @@ class LLM:
         if error is None:
             req = self.scheduler.add_request(rid, ids, max_tokens=p.max_tokens,
                                              eos_token_ids=p.stop_token_ids,
-                                             speculate=p.greedy)  # verification is greedy
+                                             reference=reference)
             error = req.error
         if error is not None:
             out = RequestOutput(rid, list(ids or []), [], "error", error, request_id=rid)
@@ -299,13 +340,14 @@ class LLM:
     def _launch(self, step: ScheduledStep, prev: _Launched | None) -> _Launched:
         start = self._now(sync=not self.async_scheduling)
         rows = [self._live[r.request_id] for r in step.rows if r.needs_logits]
-        # a verify row has a row of logits per position it checks, all greedy
-        per_logit = [self._live[r.request_id] for r in step.rows for _ in range(r.num_logits)]
+        every = [self._live[r.request_id] for r in step.rows]
         try:
             out = self.runner.execute(step, self.block_manager,
                                       None if prev is None else prev.tokens)
-            tokens = sample(out.logits, [e.params for e in per_logit],
-                            [e.generator for e in per_logit])
+            # a verify row has a row of logits per position it checks: argmaxes for a greedy
+            # request, the rejection rule's outcome for a sampled one
+            tokens = sample_with_drafts(out.logits, step.rows, [e.params for e in every],
+                                        [e.generator for e in every])
         except BaseException:
             self.scheduler.abort_step(step)
             raise
@@ -349,10 +391,13 @@ class LLM:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids)
+        spec = req.spec_stats
         return RequestOutput(entry.request_id, list(req.prompt_token_ids),
                              list(req.output_token_ids), FINISH_REASONS[req.status], req.error,
                              times[0] if times else None, tpot, list(times),
-                             req.num_cached_tokens, req.num_preemptions, text, entry.request_id)
+                             req.num_cached_tokens, req.num_preemptions, text, entry.request_id,
+                             spec.num_verifies, spec.num_proposed, spec.num_accepted,
+                             len(set(req.token_steps)))  # a verify row's tokens share a step
 
     # ------------------------------------------------------------------ statistics
     @property
@@ -370,7 +415,8 @@ class LLM:
             num_piecewise_steps=sum(r.graph_tokens is not None for r in self.step_history),
             padded_tokens=sum(r.padded_tokens for r in self.step_history),
             num_spec_proposed=self.scheduler.spec_stats.num_proposed,
-            num_spec_accepted=self.scheduler.spec_stats.num_accepted)
+            num_spec_accepted=self.scheduler.spec_stats.num_accepted,
+            num_spec_verifies=self.scheduler.spec_stats.num_verifies)
 
     def history_table(self):
         """One row per step: the scheduler's statistics, graph or eager, and its time."""

@@ -1,6 +1,7 @@
 """What the engine hands back: each request's output, each step's record, the totals."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from labkit.engine.request import Status, StepStats
@@ -23,10 +24,27 @@ class RequestOutput:
     num_preemptions: int = 0
     text: str | None = None          # decoded, when the LLM has a tokenizer
     request_id: int = -1             # add_request's id (generate's index is the prompt's place)
+    # Speculative decoding: its verify rows, draft tokens proposed and accepted in them, and
+    # the target forwards that sampled its tokens (prefill chunks that sample nothing left out)
+    num_spec_verifies: int = 0
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+    num_forwards: int = 0
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per verify row (NaN without one)."""
+        return self.num_spec_accepted / self.num_spec_verifies if self.num_spec_verifies \
+            else math.nan
+
+    @property
+    def forwards_per_token(self) -> float:
+        """Target forwards per output token: 1 for plain decoding, less when drafts pay off."""
+        return self.num_forwards / len(self.token_ids) if self.token_ids else math.nan
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,13 @@ class EngineStats:
     padded_tokens: int = 0           # tokens computed for padding, full and piecewise graphs
     num_spec_proposed: int = 0       # draft tokens verified (speculative decoding)
     num_spec_accepted: int = 0       # of those, the ones the target agreed with
+    num_spec_verifies: int = 0       # verify rows (one per request per step with drafts)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per verify row (NaN without one)."""
+        return self.num_spec_accepted / self.num_spec_verifies if self.num_spec_verifies \
+            else math.nan
 
     @property
     def prefix_hit_rate(self) -> float:

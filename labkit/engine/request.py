@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Hashable
 
+from labkit.engine.speculative import SpecDecodeStats
 
 PENDING = -1  # an output token scheduled for sampling whose id the host does not know yet
 
@@ -39,9 +40,11 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is cached, or is being written this step
     num_cached_tokens: int = 0    # of those, served by the prefix cache at the last admission
     num_preemptions: int = 0
-    speculate: bool = False       # drafts may be proposed for it (greedy requests)
+    speculate: bool = False       # drafts may be proposed for it
+    reference: list[int] | None = None  # controlled drafts: its greedy continuation, untimed
     error: str | None = None
     token_steps: list[int] = field(default_factory=list)  # the step that sampled each output
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # its verify rows
 
     @property
     def num_tokens(self) -> int:

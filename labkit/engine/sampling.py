@@ -63,6 +63,15 @@ def top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum()
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] -> float32 [vocab], the distribution a sampled request draws from: the
+    softmax at its temperature, renormalised over its top-p nucleus."""
+    # Shifted by the row maximum and divided in float64, a tiny temperature gives 0 for the
+    # top token and -inf for the rest (float32 overflows to inf - inf = NaN below ~1e-38).
+    scaled = (logits.double() - logits.max()) / params.temperature
+    return top_p_probs(torch.softmax(scaled, dim=-1).float(), params.top_p)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: [num_rows, vocab] -> int64 [num_rows] on the logits' device.
@@ -77,11 +86,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, (p, g) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        # Shifted by the row maximum and divided in float64, a tiny temperature gives 0 for the
-        # top token and -inf for the rest (float32 overflows to inf - inf = NaN below ~1e-38).
-        scaled = (logits[i].double() - logits[i].max()) / p.temperature
-        probs = top_p_probs(torch.softmax(scaled, dim=-1).float(), p.top_p)
-        tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
+        tokens[i] = torch.multinomial(sampling_probs(logits[i], p), 1, generator=g)[0]
     return tokens
 
 

@@ -27,11 +27,13 @@ request that reaches ``max_tokens`` with its pending token is left out of step N
 samples a stop token in step N has already been given a row in step N+1, whose token is
 dropped (the price of not waiting for the GPU).
 
-Speculative decoding (``SchedulerConfig.speculative``, n-gram proposals; greedy requests): a
-decode row also carries up to k draft tokens after its last sampled token, and the target checks
-them all in that one row (a (k + 1)-token query, causal within it). The block manager gives the
-drafts slots without sealing them (``append_draft``); ``update`` keeps the longest prefix the
-target agrees with plus the target's own next token, and rolls the rest back (``accept_draft``).
+Speculative decoding (``SchedulerConfig.speculative``: n-gram proposals, or controlled ones read
+from ``Request.reference``): a decode row also carries up to k draft tokens after its last
+sampled token, and the target checks them all in that one row (a (k + 1)-token query, causal
+within it). The block manager gives the drafts slots without sealing them (``append_draft``);
+``update`` keeps the longest prefix of drafts matching the target's choices plus the target's
+own next token, and rolls the rest back (``accept_draft``). For a sampled request the LLM turns
+the rejection rule's outcome into such choices (``speculative.sample_with_drafts``).
 Drafts never preempt anyone: without room, or budget, a row verifies fewer or none.
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ from labkit import check_positive_int
 from labkit.engine.config import SchedulerConfig
 from labkit.engine.request import (PENDING, Request, ScheduledSeq, ScheduledStep, Status,
                                    StepStats)
-from labkit.engine.speculative import NgramProposer, SpecDecodeStats, propose_drafts, verify_row
+from labkit.engine.speculative import SpecDecodeStats, make_proposer, propose_drafts, verify_row
 from labkit.graphs import bucket_for
 from labkit.kvcache.block_manager import BlockManager
 
@@ -82,23 +84,24 @@ class Scheduler:
         self._in_flight: deque[ScheduledStep] = deque()  # scheduled, not yet updated; in order
         self._next_step = 0
         spec = config.speculative
-        self._proposer = None if spec is None else NgramProposer(
-            spec.min_n, spec.max_n, spec.num_speculative_tokens)
+        self._proposer = None if spec is None else make_proposer(spec)
         self.spec_stats = SpecDecodeStats()  # drafts proposed and accepted, over every step
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], *,
                     max_tokens: int, eos_token_ids: Sequence[int] = (),
-                    speculate: bool = True) -> Request:
+                    speculate: bool = True, reference: Sequence[int] | None = None
+                    ) -> Request:
         """Queue a request. A prompt that can never be served is finished at once with
         ``Status.FINISHED_ERROR`` and a message; nothing else is affected. ``speculate``: its
-        decode rows may verify drafts (with ``SchedulerConfig.speculative``; greedy verification,
-        so pass False for a sampled request)."""
+        decode rows may verify drafts (with ``SchedulerConfig.speculative``). ``reference``: its
+        greedy continuation, which a controlled proposer reads (without one it proposes none)."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already queued or running; use a new id")
         check_positive_int("max_tokens", max_tokens, hint="tokens to generate")
         req = Request(request_id, list(prompt_token_ids), max_tokens, frozenset(eos_token_ids),
-                      speculate=bool(speculate) and self._proposer is not None)
+                      speculate=bool(speculate) and self._proposer is not None,
+                      reference=None if reference is None else [index(t) for t in reference])
         req.error = self._why_unservable(req)
         if req.error:
             req.status = Status.FINISHED_ERROR
@@ -194,7 +197,8 @@ class Scheduler:
             token = req.token_ids(start, start + 1)[0]
             plan.copies += self.bm.append_token(req.request_id, None if token == PENDING else token)
             drafts = [] if token == PENDING or not req.speculate else propose_drafts(
-                self._proposer, self.bm, req, plan.budget - 1, self.config.max_model_len)
+                self._proposer, self.bm, req, plan.budget - 1, self.config.max_model_len,
+                self.config.vocab_size)
             if drafts:
                 plan.copies += self.bm.append_draft(req.request_id, drafts)
             self._add_row(plan, req, start, 1, is_prefill=False, drafts=drafts)

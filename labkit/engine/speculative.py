@@ -11,9 +11,11 @@ step emits ``(1 - a^(k+1)) / (1 - a)`` tokens on average (:func:`expected_tokens
   :class:`ControlledProposer` (a teaching draft of a chosen acceptance rate that costs nothing).
 - Acceptance: :func:`accept_greedy` (greedy requests: the output is exactly plain decoding's)
   and :func:`rejection_sample` (sampled requests: the output distribution is exactly the
-  target's, whatever the draft).
+  target's, whatever the draft); :func:`rejection_sample_point_drafts` is its case for a
+  deterministic draft (n-gram, controlled), where q is a point mass.
 - Rollback of the rejected tokens' KV lives in ``BlockManager.append_draft`` / ``accept_draft``.
-- In the engine: ``propose_drafts`` and ``verify_row``, called by the scheduler.
+- In the engine: ``propose_drafts`` and ``verify_row``, called by the scheduler, and
+  ``sample_with_drafts``, called by the LLM on each step's logits.
 """
 from __future__ import annotations
 
@@ -25,15 +27,18 @@ from typing import Hashable, Sequence
 import torch
 
 from labkit import check_positive_int
+from labkit.engine.sampling import SamplingParams, sample, sampling_probs
 
 METHODS = ("ngram", "controlled", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How a request's next tokens are proposed: ``LLM(..., speculative=...)``. The engine
-    runs ``"ngram"`` (greedy requests, async scheduling off); "controlled" and "draft" are
-    refused there for now."""
+    """How a request's next tokens are proposed: ``LLM(..., speculative=...)``. The engine runs
+    ``"ngram"`` (every request) and ``"controlled"`` (greedy requests: the LLM first computes
+    each one's greedy continuation in an untimed reference run; what it measures is the upper
+    bound for a draft of that acceptance rate, on random weights), with async scheduling off.
+    ``"draft"`` (a smaller model) is refused there: not built yet."""
     method: str = "ngram"           # "ngram", "controlled" or "draft" (a smaller model)
     num_speculative_tokens: int = 4  # k: draft tokens per verify step
     min_n: int = 1                  # ngram: shortest suffix n-gram looked up
@@ -103,7 +108,8 @@ class ControlledProposer:
     starts past that position with fresh coins: accepted lengths are independent, with
     P(accepted >= i) = acceptance^i (capped at k). The coins depend only on
     (seed, request_key, position), not on batching or preemption.
-    It costs nothing to run, so what it measures is the upper bound for a draft of that rate.
+    It costs nothing to run, so what it measures is the upper bound for a draft of that rate
+    (on random weights, in the engine): a real draft pays for its own forwards.
     """
 
     def __init__(self, acceptance: float, k: int, seed: int = 0):
@@ -192,6 +198,24 @@ def rejection_sample(draft_tokens, draft_probs: torch.Tensor, target_probs: torc
     return out
 
 
+def rejection_sample_point_drafts(draft_tokens, target_probs: torch.Tensor,
+                                  generator: torch.Generator | None = None) -> list[int]:
+    """:func:`rejection_sample` for a deterministic draft (n-gram, controlled): q is a point
+    mass on each draft token, so draft x is accepted with probability p(x), and at the first
+    rejection the replacement is drawn from p with x removed, renormalised ((p - q)+ is p
+    without x); after k acceptances the bonus token comes from p's last row. (The same law as
+    drawing y ~ p at every position and keeping x while y == x: P(y = x) = p(x), and a y that
+    differs is p without x; for a point-mass draft, "sample, then match as greedy" is exact.)
+    ``target_probs: [k + 1, vocab]``; returns the emitted tokens."""
+    draft = _ids(draft_tokens, "draft_tokens")
+    if target_probs.dim() != 2:
+        raise ValueError(f"target_probs must be [k + 1, vocab], got {tuple(target_probs.shape)}")
+    point = torch.zeros(len(draft), target_probs.shape[1], dtype=target_probs.dtype,
+                        device=target_probs.device)
+    point[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] = 1
+    return rejection_sample(draft, point, target_probs, generator)
+
+
 # ---------------------------------------------------------------- statistics
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
     """Mean tokens a verify step emits when each draft token is right with probability a,
@@ -203,7 +227,8 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
 
 @dataclass
 class SpecDecodeStats:
-    """Proposed and accepted draft tokens, over verify steps (one per request per step)."""
+    """Proposed and accepted draft tokens, over verify steps (one per request per step): the
+    scheduler keeps one over every request, each ``Request`` its own."""
     num_verifies: int = 0
     num_proposed: int = 0
     num_accepted: int = 0
@@ -235,17 +260,33 @@ class SpecDecodeStats:
 
 # --- in the engine's scheduler ----------------------------------------------------------------
 
-def propose_drafts(proposer: NgramProposer, bm, req, budget: int, max_model_len: int
-                   ) -> list[int]:
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | ControlledProposer:
+    """The proposer the engine runs for ``config`` ("draft" is refused by SchedulerConfig)."""
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        return NgramProposer(config.min_n, config.max_n, k)
+    if config.method == "controlled":
+        return ControlledProposer(config.acceptance, k, config.seed)
+    raise ValueError(f"speculative method {config.method!r} has no proposer in the engine yet")
+
+
+def propose_drafts(proposer: NgramProposer | ControlledProposer, bm, req, budget: int,
+                   max_model_len: int, vocab_size: int | None = None) -> list[int]:
     """Draft tokens for a decode row of ``req`` (a ``labkit.engine.request.Request`` whose last
     token was just appended to ``bm``): at most k, no more than ``budget`` tokens, than its
     max_tokens and max_model_len could keep, and only if the blocks for them are free (drafts
-    never preempt anyone)."""
+    never preempt anyone). A controlled proposer reads ``req.reference`` (none: no drafts)."""
     room = min(budget, req.max_tokens - len(req.output_token_ids) - 1,
                max_model_len - req.num_tokens - 1)
     if room <= 0:
         return []
-    drafts = proposer.propose(req.token_ids(0, req.num_tokens))[:room]
+    if isinstance(proposer, ControlledProposer):
+        if req.reference is None:
+            return []
+        drafts = proposer.propose(req.reference, len(req.output_token_ids), vocab_size,
+                                  req.request_id)[:room]
+    else:
+        drafts = proposer.propose(req.token_ids(0, req.num_tokens))[:room]
     if drafts and not bm.can_append_draft(req.request_id, len(drafts)):
         return []
     return drafts
@@ -260,5 +301,38 @@ def verify_row(bm, row, targets: Sequence[int], stats: SpecDecodeStats) -> list[
     accepted, bonus = accept_greedy(drafts, targets)
     bm.accept_draft(row.request_id, accepted)
     stats.record(row.num_draft, accepted)
+    row.request.spec_stats.record(row.num_draft, accepted)
     row.request.num_computed_tokens += accepted
     return [*drafts[:accepted], bonus]
+
+
+_ARGMAX = SamplingParams(max_tokens=1)  # sample() takes the argmax and draws nothing
+
+
+def sample_with_drafts(logits: torch.Tensor, rows, params: Sequence[SamplingParams],
+                       generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """logits: [num_sampled, vocab], ``row.num_logits`` per row of ``rows`` (``ScheduledSeq``s,
+    with ``params`` and ``generators`` one per row) -> int64 [num_sampled], what the scheduler's
+    ``update`` reads. A row without drafts, or a greedy request's verify row, is ``sample``d
+    position by position (a verify row's argmaxes go through ``accept_greedy``). A sampled
+    request's verify row is decided here by the rejection rule, with its own generator, and
+    written as the choices that ``accept_greedy`` turns into the same tokens: the accepted
+    drafts, then the replacement or bonus token (repeated over positions never reached)."""
+    flat_params, flat_generators, verify = [], [], []
+    start = 0
+    for row, p, g in zip(rows, params, generators):
+        n = row.num_logits
+        rejection = row.num_draft > 0 and n > 0 and not p.greedy
+        if rejection:
+            verify.append((start, row, p, g))
+        flat_params += [_ARGMAX if rejection else p] * n
+        flat_generators += [None if rejection else g] * n
+        start += n
+    tokens = sample(logits, flat_params, flat_generators)
+    for start, row, p, g in verify:
+        n = row.num_logits
+        probs = torch.stack([sampling_probs(logits[start + i].float(), p) for i in range(n)])
+        emitted = rejection_sample_point_drafts(row.token_ids[-row.num_draft:], probs, g)
+        chosen = emitted + [emitted[-1]] * (n - len(emitted))
+        tokens[start:start + n] = torch.tensor(chosen, dtype=tokens.dtype, device=tokens.device)
+    return tokens
