@@ -18,7 +18,7 @@ GPU_CHECK_ARGS ?=
 FROM ?=
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: help lab hub test run gpu-check record handouts reset venv clean chromium proxy student instructor
+.PHONY: help lab hub test run gpu-check record handouts reset venv clean chromium proxy student instructor nbgrader
 help:
 	@echo "make lab        set up .venv and open JupyterLab on notebooks/ (127.0.0.1, with a token)"
 	@echo "                STUDENT=1: on the student copy in student/ instead (solutions as stubs)"
@@ -33,6 +33,7 @@ help:
 	@echo "make reset      strip outputs and widget state from notebooks/ (between workshop groups)"
 	@echo "make student    student copies (each marked solution replaced by its stub) -> student/"
 	@echo "make instructor the same files with the solutions kept -> instructor/"
+	@echo "make nbgrader   the exercises as an nbgrader course -> course/ (then nbgrader generate_assignment, autograde)"
 
 venv: $(VENV)/.installed
 
@@ -117,6 +118,10 @@ student:
 
 instructor:
 	$(GPY) -m labkit.tools.student --instructor --out instructor
+
+# nbgrader's course folder: source/ rewritten from notebooks/; gradebook, submissions and grades kept
+nbgrader:
+	$(GPY) -m labkit.tools.nbgrader_source --out course
 
 reset:
 	$(GPY) -m labkit.tools.handouts --strip notebooks/
