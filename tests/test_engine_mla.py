@@ -207,3 +207,40 @@ def test_the_llama_model_refuses_an_mla_config_instead_of_computing_gqa_from_it(
     config = ModelConfig.from_dict(DEEPSEEK_V3)
     with pytest.raises(ValueError, match="MLAModel"):
         LlamaModel(config)
+
+
+# --- loading a checkpoint ---------------------------------------------------------------------
+
+def test_a_saved_transformers_checkpoint_loads_and_gives_its_logits(tmp_path):
+    from labkit.engine.mla import load_mla_model
+
+    seed = fresh_seed()
+    config = tiny_mla()
+    hf = hf_model(config, seed)
+    hf.save_pretrained(tmp_path)  # config.json + model.safetensors, as published
+    ours = load_mla_model(tmp_path)
+    assert ours.config.is_mla and ours.config.kv_lora_rank == config.kv_lora_rank
+    ids = torch.randint(0, config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    err = (ours(ids) - expected).abs().max().item()
+    assert err < 1e-4 * expected.abs().max().item(), f"seed {seed}: max error {err:.2e}"
+
+
+def test_a_checkpoint_that_does_not_fit_names_every_tensor_at_fault(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from labkit.engine.mla import load_mla_model
+
+    hf_model(tiny_mla(), 0).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.self_attn.kv_b_proj.weight"]
+    tensors["model.layers.1.self_attn.o_proj.weight"] = torch.zeros(3, 3)
+    tensors["model.layers.0.mlp.experts.0.weight"] = torch.zeros(2)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError) as e:
+        load_mla_model(tmp_path)
+    for words in ("missing: model.layers.0.self_attn.kv_b_proj.weight",
+                  "unexpected: model.layers.0.mlp.experts.0.weight",
+                  "model.layers.1.self_attn.o_proj.weight: checkpoint [3, 3]"):
+        assert words in str(e.value)

@@ -278,3 +278,43 @@ def generate_greedy(model: MLAModel, prompt: list[int], max_new_tokens: int, *,
         new = [int(logits[-1].argmax())]
         tokens = tokens + new
     return tokens[len(prompt):]
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+@torch.no_grad()
+def load_mla_model(path, device=None, dtype: torch.dtype | None = None) -> MLAModel:
+    """A DeepSeek-style checkpoint folder (``config.json`` and safetensors under transformers'
+    tensor names, every layer dense) -> MLAModel, converted to the model's dtype. Every missing,
+    unexpected or mis-shaped tensor is named in one error before anything is copied."""
+    from labkit.engine.weights import (IGNORED_SUFFIXES, checkpoint_files, open_shard,
+                                       tensor_shapes)
+
+    model = MLAModel(ModelConfig.from_json(path), device=device, dtype=dtype)
+    params = dict(model.named_parameters())
+    files = checkpoint_files(path)
+    header = tensor_shapes(files)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(params) - set(header) - tied)
+    unexpected = sorted(n for n in set(header) - set(params) - tied
+                        if not n.endswith(IGNORED_SUFFIXES))
+    wrong = [f"{n}: checkpoint {list(header[n][0])} {header[n][1]}, model expects "
+             f"{list(p.shape)}" for n, p in params.items()
+             if n in header and (header[n][0] != tuple(p.shape) or header[n][1] not in FLOAT_DTYPES)]
+    problems = ([f"missing: {', '.join(missing)}"] if missing else []) + \
+               ([f"unexpected: {', '.join(unexpected)}"] if unexpected else []) + \
+               ([f"wrong shape or dtype: {'; '.join(wrong)}"] if wrong else [])
+    if problems:
+        raise ValueError("the checkpoint does not fit the MLA model built from its config:\n  "
+                         + "\n  ".join(problems) + "\nCheck that config.json belongs to these "
+                         "weights and that every layer is dense (no experts)")
+    by_file: dict = {}
+    for name in params:
+        if name in header:
+            by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with open_shard(file) as f:
+            for name in names:
+                params[name].copy_(f.get_tensor(name))
+    return model

@@ -26,7 +26,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the names save_weights writes
 # Buffers that older exports saved beside the parameters; they are recomputed, never loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @contextmanager
@@ -105,7 +105,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     return out
 
 
-def _header(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype string), read from the headers only."""
     out = {}
     for file in sorted(set(files.values())):
@@ -121,11 +121,11 @@ def check_checkpoint(model: LlamaModel, files: dict[str, Path]) -> None:
     """Raises one ValueError naming every missing, unexpected or mis-shaped tensor."""
     params = dict(model.named_parameters())
     expected = hf_weight_map(model.config)
-    header = _header(files)
+    header = tensor_shapes(files)
     tied_extra = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(header))
     unexpected = sorted(n for n in set(header) - set(expected) - tied_extra
-                        if not n.endswith(_IGNORED_SUFFIXES))
+                        if not n.endswith(IGNORED_SUFFIXES))
     wrong = []
     for name, (ours, start, end) in expected.items():
         if name not in header:
