@@ -106,15 +106,19 @@ def test_mla_claim_holds_on_the_example_spec_and_fails_on_per_head_kv():
 
 
 def test_selection_claims_hold_on_the_notebooks_decisions_and_fail_on_other_ones():
+    mla_passed = {"flex": ["model: MLA attention is not supported"],
+                  "sdpa": ["model: MLA attention is not supported"],
+                  "reference": ["compatible, but after 'triton' in the priority order"]}
     chosen = {"GQA + fp8 KV cache on an A100": ("reference", {}),
-              "head_dim 96 (Phi-2-like)": ("sdpa", {})}
-    refused = {"MLA (DeepSeek-V3)": {b: [f"{b}: MLA needs a latent cache"]
-                                     for b in ("triton", "flex", "sdpa", "reference")}}
-    assert all(held(selection_claims(chosen, refused)))
+              "head_dim 96 (Phi-2-like)": ("sdpa", {}),
+              "MLA (DeepSeek-V3)": ("triton", mla_passed)}
+    assert all(held(selection_claims(chosen, {})))
     wrong = {"GQA + fp8 KV cache on an A100": ("triton", {}),
-             "head_dim 96 (Phi-2-like)": ("triton", {})}
-    unexplained = {"MLA (DeepSeek-V3)": {"triton": ["head_dim too large"]}}
-    assert held(selection_claims(wrong, unexplained)) == [False, False, False]
+             "head_dim 96 (Phi-2-like)": ("triton", {}),
+             "MLA (DeepSeek-V3)": ("triton", {**mla_passed, "sdpa": ["head_dim too large"]})}
+    assert held(selection_claims(wrong, {})) == [False, False, False]
+    served_by_a_peer = {**chosen, "MLA (DeepSeek-V3)": ("sdpa", {"flex": ["MLA"]})}
+    assert held(selection_claims(served_by_a_peer, {}))[2] is False
 
 
 def test_correctness_claim_fails_when_one_backend_is_off_the_reference():

@@ -76,13 +76,22 @@ def test_an_unsupported_scale_granularity_is_refused_with_its_name():
     assert "per_token" in str(err.value)
 
 
-def test_mla_is_refused_by_every_backend_with_a_reason():
-    spec = AttentionSpec(num_q_heads=16, num_kv_heads=16, head_dim=128, mla=True, **HOPPER)
-    with pytest.raises(BackendUnavailable) as err:
-        select_backend(spec)
-    assert set(err.value.reasons) == set(PRIORITY)
-    for name, why in err.value.reasons.items():
-        assert any("MLA" in r for r in why), f"{name} must refuse MLA with a reason"
+def test_mla_is_served_by_the_backends_that_declare_it_and_refused_by_the_rest_with_a_reason():
+    spec = AttentionSpec(num_q_heads=128, num_kv_heads=1, head_dim=576, mla=True, **HOPPER)
+    backend, passed = select_backend(spec)
+    assert backend.name == "triton" and backend.mla is not None  # paged_mla_attention
+    serving = {b.name for b in BACKENDS.values() if "MLA" in b.attention_kinds}
+    assert serving == {"triton", "reference"}
+    for name in set(PRIORITY) - serving:
+        assert any("MLA" in r for r in passed[name]), f"{name} must refuse MLA with a reason"
+    with pytest.raises(BackendUnavailable, match="MLA"):
+        select_backend(spec, prefer="sdpa")
+
+
+def test_a_backend_listing_mla_without_its_mla_call_is_refused():
+    import dataclasses
+    with pytest.raises(ValueError, match="needs its mla call"):
+        dataclasses.replace(BACKENDS["triton"], mla=None)
 
 
 def test_forcing_an_incompatible_backend_lists_every_reason():
@@ -137,7 +146,8 @@ def test_matrix_is_generated_from_the_declarations():
     assert list(df.columns) == list(PRIORITY)
     assert set(df.index.get_level_values("category")) == {"model", "cache", "request", "graph",
                                                           "hardware"}
-    assert df.loc[("model", "MLA")].eq("no").all()
+    assert df.loc[("model", "MLA")].to_dict() == {"triton": "yes", "flex": "no", "sdpa": "no",
+                                                  "reference": "yes"}
     assert df.loc[("graph", "CUDA Graph capture"), "triton"] == "uniform decode"
     md = matrix_markdown()
     matrix, limits = md.split("\n\n")
@@ -238,7 +248,7 @@ def test_example_models_select_as_the_notebook_describes():
         except BackendUnavailable:
             chosen[name] = None
     assert chosen["GQA + fp8 KV cache"] == "triton"
-    assert chosen["MLA (DeepSeek-V3)"] is None, "no backend supports MLA yet"
+    assert chosen["MLA (DeepSeek-V3)"] == "triton", "paged_mla_attention serves the latent cache"
 
 
 def test_the_mla_example_caches_one_shared_576_wide_latent_per_token():

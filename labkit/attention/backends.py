@@ -8,7 +8,9 @@ or hardware under it). ``selection.py`` checks a spec against it and ``matrix.py
 
 Every backend runs the same two calls, with the signatures of ``labkit.attention``:
 ``flash(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)`` and
-``paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ...)``.
+``paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, ...)``. A backend that serves
+MLA also has ``mla(q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q, seq_lens, *,
+scale, ...)``, ``paged_mla_attention``'s signature: attention over one shared latent row.
 
 The two PyTorch peers run a step as one batched call (``peers.py``).
 """
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit.attention.peers import flex_flash, flex_paged, sdpa_flash, sdpa_paged
-from labkit.attention.reference import flash_attention_ref, paged_attention_ref
+from labkit.attention.reference import (flash_attention_ref, paged_attention_ref,
+                                        paged_mla_attention_ref)
 
 GRAPH_SUPPORT = ("always", "uniform_decode", "never")
 ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
@@ -69,6 +72,7 @@ class Backend:
     notes: str = ""
     # matrix check (its "check" label, e.g. "CUDA Graph capture") -> whose limit it is, and why
     limits: dict[str, Limit] = field(default_factory=dict, hash=False)
+    mla: Callable | None = None  # attention over a latent cache, where "MLA" is supported
 
     def __post_init__(self):
         if self.cuda_graphs not in GRAPH_SUPPORT:
@@ -76,6 +80,9 @@ class Backend:
         unknown = set(self.attention_kinds) - set(ATTENTION_KINDS)
         if unknown:
             raise ValueError(f"unknown attention kinds {unknown}; known: {ATTENTION_KINDS}")
+        if ("MLA" in self.attention_kinds) != (self.mla is not None):
+            raise ValueError(f"{self.name!r}: a backend that lists MLA needs its mla call, and "
+                             "only such a backend has one")
         wrong = [k for k, v in self.limits.items() if not isinstance(v, Limit)]
         if wrong:
             raise TypeError(f"limits {wrong} of {self.name!r} must be Limit(by, why)")
@@ -96,6 +103,11 @@ def _triton_paged(*args, **kwargs):
     return paged_attention(*args, **kwargs)
 
 
+def _triton_mla(*args, **kwargs):
+    from labkit.kernels.paged_mla_attention import paged_mla_attention
+    return paged_mla_attention(*args, **kwargs)
+
+
 # --- reference: float64 loops, the definition ------------------------------------------------
 
 def _ref_flash(q, *args, **kwargs):
@@ -104,6 +116,13 @@ def _ref_flash(q, *args, **kwargs):
 
 def _ref_paged(q, *args, **kwargs):
     return paged_attention_ref(q, *args, **kwargs).to(q.dtype)
+
+
+def _ref_mla(q_latent, *args, scale, causal=True, check=True, max_query_len=None, out=None):
+    """The float64 definition behind ``mla``'s signature (``check`` and ``max_query_len`` are
+    the kernel's launch options: nothing to skip or plan here)."""
+    result = paged_mla_attention_ref(q_latent, *args, scale=scale, causal=causal)
+    return result.to(q_latent.dtype) if out is None else out.copy_(result)
 
 
 HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -127,19 +146,14 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
         dtypes=HALF_AND_FLOAT, head_dims=POW2_HEAD_DIMS,
         kv_cache_dtypes=("auto", "fp8_e4m3"), kv_scales=("per_kv_head",),
         block_sizes=BLOCK_SIZES, paged_reads="block table in the kernel",
-        sliding_window=True, attention_kinds=("MHA", "GQA", "MQA"), mixed_batches=True,
-        cuda_graphs="uniform_decode", devices=("cuda", "cpu"),
+        sliding_window=True, attention_kinds=("MHA", "GQA", "MQA", "MLA"), mixed_batches=True,
+        cuda_graphs="uniform_decode", devices=("cuda", "cpu"), mla=_triton_mla,
         min_compute_capability=(8, 0), fp8_min_compute_capability=(8, 9),
         notes="capture with check=False and max_query_len (no host sync); the launch grid "
               "depends on the longest query, so only uniform decode batches replay safely; on "
-              "CPU it runs in Triton's interpreter (slow)",
+              "CPU it runs in Triton's interpreter (slow); MLA through paged_mla_attention, a "
+              "kernel of its own (K is the 576-wide latent row, V its first 512 columns)",
         limits={
-            "MLA": Limit("labkit's kernel", "its paged kernels take K and V of one width, but "
-                                            "an absorbed MLA cache has K 576 wide (512 latent "
-                                            "+ 64 RoPE) and V 512 (the latent's first "
-                                            "columns); that cache is read by "
-                                            "paged_mla_attention, a kernel of its own, which "
-                                            "no engine model calls through this registry yet"),
             "CUDA Graph capture": Limit(
                 "labkit's kernel", "the launch grid is sized by max_query_len, fixed at "
                 "capture: only batches of one token per row replay safely"),
@@ -216,10 +230,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
         dtypes=HALF_AND_FLOAT, head_dims=ANY,
         kv_cache_dtypes=("auto", "fp8_e4m3"), kv_scales=("per_kv_head",), block_sizes=ANY,
         paged_reads="gathers blocks into contiguous KV first", sliding_window=True,
-        attention_kinds=("MHA", "GQA", "MQA"), mixed_batches=True, cuda_graphs="never",
-        devices=("cuda", "cpu"),
+        attention_kinds=("MHA", "GQA", "MQA", "MLA"), mixed_batches=True, cuda_graphs="never",
+        devices=("cuda", "cpu"), mla=_ref_mla,
         limits={
-            "MLA": _NO_LATENT,
             "CUDA Graph capture": Limit("labkit's wrapper", "it loops over the sequences on "
                                                             "the host: the definition, not a "
                                                             "fast path"),

@@ -123,7 +123,10 @@ def reasons_against(backend: Backend, spec: AttentionSpec) -> list[str]:
     if s.attention_kind not in b.attention_kinds:
         refuse(s.attention_kind, f"model: {s.attention_kind} attention is not supported "
                                  f"(supports {'/'.join(b.attention_kinds)})")
-    if b.head_dims is not None and s.head_dim not in b.head_dims:
+    # an MLA spec's head_dim is the latent row's width, which the backend's mla call takes
+    # whole (paged_mla_attention checks its two parts): the head sizes are its paged kernel's
+    serves_mla = s.mla and b.mla is not None
+    if b.head_dims is not None and s.head_dim not in b.head_dims and not serves_mla:
         refuse("head dims", f"model: head_dim {s.head_dim} is not supported "
                             f"({_short(b.head_dims)})")
     if s.sliding_window is not None and not b.sliding_window:

@@ -257,9 +257,13 @@ class PagedKVCache:
         fn(key, value, self.key_cache(layer), self.value_cache(layer), slot_mapping,
            *self.scales(layer), check=check)
 
-    def write_latent(self, layer: int, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_latent(self, layer: int, latent: torch.Tensor, slot_mapping: torch.Tensor, *,
+                     use_kernel: bool = True, check: bool = True) -> None:
         """MLA: latent [num_tokens, width] (c_kv then k_pe) into slot_mapping [num_tokens];
-        slot -1 is padding and writes nothing. Slots are checked before anything is written."""
+        slot -1 is padding and writes nothing. ``check``: slots outside [-1, capacity) or given
+        twice are refused before anything is written (a host sync; an engine that built its
+        slots itself, or a CUDA Graph capture, passes False). The store is ``store_kv``'s, the
+        one latent row standing in for both K and V."""
         cache = self.latent_cache(layer)
         width = self.shape.head_dim
         if not isinstance(latent, torch.Tensor) or latent.dim() != 2 or \
@@ -271,15 +275,17 @@ class PagedKVCache:
                 slot_mapping.shape[0] != latent.shape[0] or slot_mapping.is_floating_point():
             raise ValueError(f"slot_mapping must be an int tensor [{latent.shape[0]}] (one slot "
                              f"per latent row), got {slot_mapping!r}")
-        slots = slot_mapping.long()
-        real = slots >= 0
         capacity = self.num_blocks * self.block_size
-        kept = slots[real]
-        if kept.numel() and (int(kept.max()) >= capacity or int(slots.min()) < -1
-                             or kept.unique().numel() != kept.numel()):
-            raise ValueError(f"slot_mapping must hold distinct slots in [0, {capacity}) or -1 "
-                             f"for padding, got {slot_mapping.tolist()[:8]}")
-        cache.view(capacity, width)[kept] = latent[real]
+        if check:
+            kept = slot_mapping[slot_mapping >= 0].long()
+            if kept.numel() and (int(kept.max()) >= capacity or int(slot_mapping.min()) < -1
+                                 or kept.unique().numel() != kept.numel()):
+                raise ValueError(f"slot_mapping must hold distinct slots in [0, {capacity}) or "
+                                 f"-1 for padding, got {slot_mapping.tolist()[:8]}")
+        rows = self.kv[self._layer(layer), 0]  # [num_blocks, block_size, 1, width]
+        row = latent.contiguous()[:, None]
+        (store_kv if use_kernel else store_kv_ref)(row, row, rows, rows, slot_mapping,
+                                                   check=False)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply the block manager's copy-on-write (src, dst) pairs, every layer, K and V."""

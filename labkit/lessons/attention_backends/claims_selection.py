@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+from labkit.attention import BACKENDS
 from labkit.teaching import claim
+
+MLA_SERVERS = {b.name for b in BACKENDS.values() if b.mla is not None}
 
 
 def mla_claims(spec, cache: dict) -> list:
@@ -24,18 +27,23 @@ def selection_claims(chosen: dict, refused: dict) -> list:
     passed over); ``refused``: name -> reasons per backend)."""
     fp8_a100 = chosen.get("GQA + fp8 KV cache on an A100", ("nothing",))[0]
     hd96 = chosen.get("head_dim 96 (Phi-2-like)", ("nothing",))[0]
-    mla = {n: r for n, r in refused.items() if "MLA" in n}
-    mla_reasoned = bool(mla) and all(
-        all(any("MLA" in why for why in reasons) for reasons in r.values()) for r in mla.values())
-    backends = sorted({b for r in mla.values() for b in r})
+    # MLA: served by a backend with an MLA call (paged_mla_attention); the others must say why
+    mla = {n: c for n, c in chosen.items() if "MLA" in n}
+    served = sorted({backend for backend, _ in mla.values()})
+    refusing = sorted({b for _, passed in mla.values() for b in passed
+                       if b not in MLA_SERVERS})
+    mla_reasoned = bool(mla) and set(served) <= MLA_SERVERS and all(
+        any("MLA" in why for why in passed.get(b, ())) for _, passed in mla.values()
+        for b in refusing) and bool(refusing)
     return [
         claim("An fp8 KV cache on an A100 (compute capability 8.0) is served by `{b}`: every "
               "faster backend refused it, and the log says why.", fp8_a100 == "reference",
               b=fp8_a100),
         claim("head_dim 96 is served by `{b}`: labkit's Triton kernels refuse it.",
               hd96 not in ("triton", "nothing"), b=hd96),
-        claim("MLA is refused by every backend ({names}), each naming MLA among its reasons.",
-              mla_reasoned, names=", ".join(backends) or "none refused it"),
+        claim("MLA is served by `{b}` through its latent-cache kernel; {names} refused it, "
+              "each naming MLA among its reasons.", mla_reasoned,
+              b=", ".join(served) or "nothing", names=", ".join(refusing) or "none"),
     ]
 
 
