@@ -32,6 +32,7 @@ from labkit import check_positive_int, check_power_of_two
 from labkit.device import select_device
 from labkit.engine.config import ModelConfig
 from labkit.engine.inputs import check_params, params_for, prompt_list, token_ids_of
+from labkit.engine.mla import MLAModel
 from labkit.engine.model import LlamaModel
 from labkit.engine.outputs import FINISH_REASONS, EngineStats, RequestOutput, StepRecord
 from labkit.engine.request import Request, ScheduledStep
@@ -121,13 +122,14 @@ class LLM:
             raise ValueError(f"seed must be an int in [0, 2**63) (it seeds the random weights "
                              f"and each request's sampler), got {seed!r}")
         self.device = select_device(device)
-        if isinstance(model, LlamaModel):
-            self.device = model.embed_tokens.device  # a LlamaModel given stays where it is
+        if isinstance(model, (LlamaModel, MLAModel)):
+            self.device = model.embed_tokens.device  # a model given stays where it is
         mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
+        asked_fused_ops = fused_ops
         if fused_ops is None:  # compiled, Inductor fuses the plain ops itself
             fused_ops = self.device.type == "cuda" and mode != "none" and not compile
         fused_ops = bool(fused_ops)
-        if isinstance(model, LlamaModel):
+        if isinstance(model, (LlamaModel, MLAModel)):
             self.model = model  # built already: the runner runs it with fused_ops
         elif isinstance(model, ModelConfig):
             self.model = random_model(model, seed=seed, device=self.device, dtype=dtype,
@@ -135,9 +137,11 @@ class LLM:
         elif isinstance(model, (str, Path)):
             self.model = load_model(model, device=self.device, dtype=dtype, fused_ops=fused_ops)
         else:
-            raise TypeError(f"model must be a checkpoint folder, a ModelConfig or a LlamaModel, "
-                            f"got {type(model).__name__}")
+            raise TypeError(f"model must be a checkpoint folder, a ModelConfig, a LlamaModel or "
+                            f"an MLAModel, got {type(model).__name__}")
         self.model.eval()
+        if isinstance(self.model, MLAModel) and asked_fused_ops is None:
+            fused_ops = False  # the fused ops are the Llama layer's; an MLA model has its own
         self.config = self.model.config
         self.tokenizer = tokenizer
         self.runner = ModelRunner(

@@ -149,12 +149,23 @@ class MLAAttention(nn.Module):
         """x: [T, hidden], a step's new tokens -> [T, hidden]. Their latents are stored at
         ``slots`` first; then attention over latent_cache [num_blocks, block_size, rank + rope]
         with W_UK folded into the query and W_UV applied after (the decode path)."""
+        rank = self.config.kv_lora_rank
+
+        def attend(q, latent):
+            write_latents(latent_cache, slots, latent[:, 0, :rank], latent[:, 0, rank:])
+            return paged_mla_attention(q[..., :rank], q[..., rank:], latent_cache, block_tables,
+                                       cu_seqlens_q, seq_lens, scale=self.scale)
+        return self.through_latent(x, rotary, attend)
+
+    def through_latent(self, x: torch.Tensor, rotary, attend) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] with attention over the latent cache done by
+        ``attend(q, latent)``: q = [W_UK-folded q_nope ; q_pe] [T, H, rank + rope] and the
+        step's latent rows [T, 1, rank + rope] (c_kv then k_pe) in, the attention's latent
+        output [T, H, rank] out (the rows stored first); W_UV and o_proj follow here."""
         q_nope, q_pe, c_kv, k_pe = self.project(x, rotary)
-        write_latents(latent_cache, slots, c_kv, k_pe)
         w_uk, w_uv = self.up_projections()
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, rank]
-        out_latent = paged_mla_attention(q_latent.contiguous(), q_pe.contiguous(), latent_cache,
-                                         block_tables, cu_seqlens_q, seq_lens, scale=self.scale)
+        q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
+        out_latent = attend(q, torch.cat([c_kv, k_pe], dim=-1)[:, None, :])
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v_head_dim]
         return self.o_proj(out.flatten(1))
 
@@ -188,7 +199,13 @@ class MLALayer(nn.Module):
 class MLAModel(nn.Module):
     """A dense DeepSeek-V2/V3-style decoder. ``forward`` runs the decompressed path over whole
     sequences; ``forward_paged`` runs one engine step through the absorbed path over a paged
-    latent cache. Parameters are allocated, not initialised: load a state dict."""
+    latent cache. Parameters are allocated, not initialised: load a state dict.
+
+    The engine runs it through ``hidden_states`` and ``compute_logits``, as it runs LlamaModel:
+    each layer hands the engine's attention function the folded query and the step's latent
+    rows (``MLAAttention.through_latent``), and the engine stores them in its latent cache and
+    attends with the selected backend's ``mla`` call."""
+    fused_ops = False  # the engine's fused Triton layer ops are the Llama layer's
 
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
@@ -208,6 +225,30 @@ class MLAModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config.qk_rope_head_dim,
                                                        config.rope_theta, device),
                              persistent=False)
+
+    @property
+    def embed_tokens(self) -> torch.Tensor:
+        """The embedding table: where the engine reads the model's device and dtype."""
+        return self.model.embed_tokens.weight
+
+    @property
+    def attention_scale(self) -> float:
+        return self.model.layers[0].self_attn.scale
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, *,
+                      fused_ops: bool | None = None) -> torch.Tensor:
+        """The engine's forward: input_ids, positions [T] -> final-normed hidden [T, hidden].
+        ``attention(layer, q, latent, None)`` stores the layer's latent rows and returns its
+        latent output [T, H, rank] (``through_latent``). ``fused_ops`` is not used."""
+        rotary = rope_cos_sin(positions, self.inv_freq)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, lambda attn, h: attn.through_latent(
+                h, rotary, lambda q, latent: attention(i, q, latent, None)))
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         limit = self.config.max_position_embeddings
@@ -278,43 +319,3 @@ def generate_greedy(model: MLAModel, prompt: list[int], max_new_tokens: int, *,
         new = [int(logits[-1].argmax())]
         tokens = tokens + new
     return tokens[len(prompt):]
-
-
-FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-
-
-@torch.no_grad()
-def load_mla_model(path, device=None, dtype: torch.dtype | None = None) -> MLAModel:
-    """A DeepSeek-style checkpoint folder (``config.json`` and safetensors under transformers'
-    tensor names, every layer dense) -> MLAModel, converted to the model's dtype. Every missing,
-    unexpected or mis-shaped tensor is named in one error before anything is copied."""
-    from labkit.engine.weights import (IGNORED_SUFFIXES, checkpoint_files, open_shard,
-                                       tensor_shapes)
-
-    model = MLAModel(ModelConfig.from_json(path), device=device, dtype=dtype)
-    params = dict(model.named_parameters())
-    files = checkpoint_files(path)
-    header = tensor_shapes(files)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = sorted(set(params) - set(header) - tied)
-    unexpected = sorted(n for n in set(header) - set(params) - tied
-                        if not n.endswith(IGNORED_SUFFIXES))
-    wrong = [f"{n}: checkpoint {list(header[n][0])} {header[n][1]}, model expects "
-             f"{list(p.shape)}" for n, p in params.items()
-             if n in header and (header[n][0] != tuple(p.shape) or header[n][1] not in FLOAT_DTYPES)]
-    problems = ([f"missing: {', '.join(missing)}"] if missing else []) + \
-               ([f"unexpected: {', '.join(unexpected)}"] if unexpected else []) + \
-               ([f"wrong shape or dtype: {'; '.join(wrong)}"] if wrong else [])
-    if problems:
-        raise ValueError("the checkpoint does not fit the MLA model built from its config:\n  "
-                         + "\n  ".join(problems) + "\nCheck that config.json belongs to these "
-                         "weights and that every layer is dense (no experts)")
-    by_file: dict = {}
-    for name in params:
-        if name in header:
-            by_file.setdefault(files[name], []).append(name)
-    for file, names in by_file.items():
-        with open_shard(file) as f:
-            for name in names:
-                params[name].copy_(f.get_tensor(name))
-    return model

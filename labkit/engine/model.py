@@ -188,8 +188,8 @@ class LlamaModel(nn.Module):
         if config.is_mla:  # its projections and cache differ: built as GQA it would be wrong
             raise ValueError("this config is multi-head latent attention (DeepSeek: kv_lora_rank "
                              f"{config.kv_lora_rank}); LlamaModel computes grouped-query "
-                             "attention. Build labkit.engine.mla.MLAModel instead: the engine "
-                             "does not serve MLA models yet")
+                             "attention. Build labkit.engine.mla.MLAModel instead (LLM builds "
+                             "it from an MLA config or checkpoint)")
         dtype = model_dtype(config, dtype)
         self.config = config
         self.fused_ops = bool(fused_ops)

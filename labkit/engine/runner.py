@@ -131,6 +131,22 @@ class ModelRunner:
                            hint="16 is usual; the triton backend takes 16 to 256")
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
+        # An MLA model (labkit.engine.mla) attends over a latent cache through the backend's
+        # mla call; its layers are not split for piecewise graphs nor traced for compile yet.
+        self.mla = c.is_mla
+        mla_note = None
+        if self.mla:
+            if compile or self.fused_ops:
+                raise ValueError("compile=True and fused_ops=True run the Llama layer's ops; an "
+                                 "MLA model runs its own: leave both off")
+            if self.cudagraph_mode == "piecewise":
+                raise ValueError("cudagraph_mode='piecewise' splits the Llama layers at "
+                                 "attention; MLA layers are not split yet: use "
+                                 "'full_decode_only' or 'none'")
+            if self.cudagraph_mode == "full_and_piecewise":
+                self.cudagraph_mode = "full_decode_only"
+                mla_note = ("cudagraph_mode: full_decode_only (an MLA model's layers are not "
+                            "split for piecewise graphs: mixed steps run eagerly)")
         self.compiled = None
         if compile:
             if self.fused_ops:
@@ -139,6 +155,8 @@ class ModelRunner:
             from labkit.engine.compiled import CompiledForward
             self.compiled = CompiledForward(model)
         self.backend, self.selection_log = self._choose_backend(backend, block_size)
+        if mla_note:
+            self.selection_log.append(mla_note)
         self.use_graphs = self.cudagraph_mode.startswith("full")
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
         # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
@@ -186,6 +204,11 @@ class ModelRunner:
         c = self.model.config
 
         def spec(graph: str) -> AttentionSpec:
+            if self.mla:  # one latent row per token, read by every query head
+                return AttentionSpec.here(
+                    self.device, num_q_heads=c.num_attention_heads, num_kv_heads=1,
+                    head_dim=c.latent_size, dtype=self.dtype, mla=True,
+                    block_size=block_size, mixed_batch=True, cuda_graph=graph)
             return AttentionSpec.here(
                 self.device, num_q_heads=c.num_attention_heads,
                 num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
@@ -207,7 +230,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
     def _make_cache(self, num_blocks, kv_cache_memory, block_size, max_num_seqs) -> PagedKVCache:
         c = self.model.config
-        shape = KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        shape = KVCacheShape(c.num_hidden_layers, 1, c.latent_size, self.dtype, latent=True) \
+            if self.mla else KVCacheShape(c.num_hidden_layers, c.num_key_value_heads,
+                                          c.head_dim, self.dtype)
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError(f"give num_blocks ({num_blocks}) or kv_cache_memory "
                              f"({kv_cache_memory:,} bytes), not both")
@@ -229,8 +254,8 @@ class ModelRunner:
         if isinstance(num_blocks, int) and num_blocks * block_size >= 2**31:
             raise ValueError(f"{num_blocks} blocks of {block_size} is more slots than the int32 "
                              "slot_mapping addresses; use fewer blocks")
-        return PagedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_blocks,
-                            block_size, self.dtype, self.device)
+        return PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks,
+                            block_size, self.dtype, self.device, latent=shape.latent)
 
     @property
     def num_blocks(self) -> int:
@@ -305,6 +330,8 @@ class ModelRunner:
                    host: StepMetadata | None = None):
         """The step's AttentionFn; ``store=False`` when the K/V were stored already (piecewise
         graphs store them inside the pieces)."""
+        if self.mla:
+            return self._latent_attention(md, max_query_len)
         cache, run = self.cache, self._paged(md, max_query_len, host)
 
         def attention(layer, q, k, v, out=None):
@@ -316,6 +343,22 @@ class ModelRunner:
                 cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel,
                             check=False)
             return run(q, layer, out)
+        return attention
+
+    def _latent_attention(self, md: DeviceMetadata, max_query_len: int):
+        """An MLA model's attention function: ``(layer, q, latent)`` with q [T, H, rank + rope]
+        (W_UK folded in) and the step's latent rows [T, 1, rank + rope]: the rows go into their
+        slots, then the backend's mla call attends over the layer's latent cache -> [T, H, rank].
+        Built from the runner's own metadata: no host sync, so a decode graph can capture it."""
+        cache, rank = self.cache, self.model.config.kv_lora_rank
+        mla, scale = self.backend.mla, self.model.attention_scale
+        tables, cu, lens, slots = md.block_tables, md.cu_seqlens_q, md.seq_lens, md.slot_mapping
+
+        def attention(layer, q, latent, v=None, out=None):
+            cache.write_latent(layer, latent[:, 0], slots, use_kernel=self.store_kernel,
+                               check=False)
+            return mla(q[..., :rank], q[..., rank:], cache.latent_cache(layer), tables, cu, lens,
+                       scale=scale, check=False, max_query_len=max_query_len)
         return attention
 
     @torch.inference_mode()

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from labkit import check_positive_int
 from labkit.engine.config import ModelConfig, read_json_object
+from labkit.engine.mla import MLAModel
 from labkit.engine.model import LlamaModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -171,8 +172,10 @@ def load_model(path: str | Path, device=None, dtype: torch.dtype | None = None, 
     if Path(path).is_file():
         raise ValueError(f"{path} is a file: pass the checkpoint folder that holds config.json "
                          f"and the safetensors ({Path(path).parent})")
-    model = LlamaModel(ModelConfig.from_json(path), device=device, dtype=dtype,
-                       fused_ops=fused_ops)
+    config = ModelConfig.from_json(path)
+    if config.is_mla:  # DeepSeek-style: transformers' own tensor names, no fused layout
+        return load_mla_model(path, device=device, dtype=dtype)
+    model = LlamaModel(config, device=device, dtype=dtype, fused_ops=fused_ops)
     return load_weights(model, path)
 
 
@@ -196,6 +199,10 @@ def init_random(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
 def random_model(config: ModelConfig, seed: int = 0, device=None,
                  dtype: torch.dtype | None = None, std: float = 0.02, *,
                  fused_ops: bool = False) -> LlamaModel:
+    """A model of ``config`` with random weights: LlamaModel, or MLAModel for an MLA config
+    (which has no fused ops)."""
+    if config.is_mla:
+        return init_random(MLAModel(config, device=device, dtype=dtype), seed, std)
     return init_random(LlamaModel(config, device=device, dtype=dtype, fused_ops=fused_ops),
                        seed, std)
 
@@ -252,3 +259,40 @@ def save_weights(model: LlamaModel, path: str | Path, max_shard_bytes: int | Non
     (path / INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return path
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+@torch.no_grad()
+def load_mla_model(path, device=None, dtype: torch.dtype | None = None) -> MLAModel:
+    """A DeepSeek-style checkpoint folder (``config.json`` and safetensors under transformers'
+    tensor names, every layer dense) -> MLAModel, converted to the model's dtype. Every missing,
+    unexpected or mis-shaped tensor is named in one error before anything is copied."""
+    model = MLAModel(ModelConfig.from_json(path), device=device, dtype=dtype)
+    params = dict(model.named_parameters())
+    files = checkpoint_files(path)
+    header = tensor_shapes(files)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(params) - set(header) - tied)
+    unexpected = sorted(n for n in set(header) - set(params) - tied
+                        if not n.endswith(IGNORED_SUFFIXES))
+    wrong = [f"{n}: checkpoint {list(header[n][0])} {header[n][1]}, model expects "
+             f"{list(p.shape)}" for n, p in params.items()
+             if n in header and (header[n][0] != tuple(p.shape) or header[n][1] not in FLOAT_DTYPES)]
+    problems = ([f"missing: {', '.join(missing)}"] if missing else []) + \
+               ([f"unexpected: {', '.join(unexpected)}"] if unexpected else []) + \
+               ([f"wrong shape or dtype: {'; '.join(wrong)}"] if wrong else [])
+    if problems:
+        raise ValueError("the checkpoint does not fit the MLA model built from its config:\n  "
+                         + "\n  ".join(problems) + "\nCheck that config.json belongs to these "
+                         "weights and that every layer is dense (no experts)")
+    by_file: dict = {}
+    for name in params:
+        if name in header:
+            by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with open_shard(file) as f:
+            for name in names:
+                params[name].copy_(f.get_tensor(name))
+    return model
