@@ -60,6 +60,17 @@ def test_lab_serves_the_notebooks_to_the_token_holder_only():
     assert proc.poll() is not None, "the server is stopped when the context ends"
 
 
+def test_a_learners_lab_leaves_the_instructors_extensions_off():
+    with lab_server.running_lab() as lab:
+        with urllib.request.urlopen(lab.url("lab"), timeout=20) as r:
+            page = r.read().decode()
+    start = page.index('>', page.index('id="jupyter-config-data"')) + 1
+    config = json.loads(page[start:page.index("</script>", start)])
+    disabled = config["disabledExtensions"]
+    for name in lab_server.DISABLED_EXTENSIONS:
+        assert name in disabled, f"{name} is on in a learner's lab: {disabled}"
+
+
 def test_lab_server_help_prints_usage_and_starts_nothing():
     out = subprocess.run([sys.executable, "-m", "labkit.tools.lab_server", "--help"],
                          capture_output=True, text=True, timeout=60, check=False)

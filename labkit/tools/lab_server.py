@@ -31,6 +31,10 @@ SETTING_DEFAULTS = {
     "@jupyterlab/apputils-extension:notification": {"fetchNews": "false",
                                                     "checkForUpdates": False},
 }
+# The workshop extra (`.[hub]`) brings nbgrader, whose JupyterLab extension adds an instructor's
+# menus and panels, and with it the classic Notebook's "open in Notebook" button: neither is
+# part of a learner's lab, so the lab this module starts leaves them off.
+DISABLED_EXTENSIONS = {"@jupyter/nbgrader": True, "@jupyter-notebook/lab-extension": True}
 
 
 def command(root_dir: Path = NOTEBOOK_DIR, port: int | None = None,
@@ -54,7 +58,8 @@ def command(root_dir: Path = NOTEBOOK_DIR, port: int | None = None,
 
 def lab_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) with a Jupyter config folder holding ``SETTING_DEFAULTS``
-    put on JUPYTER_CONFIG_PATH, where JupyterLab reads ``labconfig/default_setting_overrides.json``.
+    and ``DISABLED_EXTENSIONS`` put on JUPYTER_CONFIG_PATH, where JupyterLab reads
+    ``labconfig/default_setting_overrides.json`` and ``labconfig/page_config.json``.
 
     The folder sits in the runtime folder ``env`` names (else Jupyter's own runtime folder) and
     is rewritten on every start.
@@ -68,6 +73,8 @@ def lab_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     (folder / "labconfig").mkdir(parents=True, exist_ok=True)
     (folder / "labconfig" / "default_setting_overrides.json").write_text(
         json.dumps(SETTING_DEFAULTS, indent=1))
+    (folder / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": DISABLED_EXTENSIONS}, indent=1))
     env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
         p for p in (str(folder), env.get("JUPYTER_CONFIG_PATH")) if p)
     return env
