@@ -94,3 +94,12 @@ def test_gpu_mla_engine_tokens_in_every_graph_mode(mode):
     assert tokens(llm) == expected
     if mode != "none":
         assert llm.cudagraph_mode == "full_decode_only" and llm.stats.num_graph_steps > 0
+
+
+def test_on_a_gpu_an_mla_model_keeps_full_decode_graphs_and_says_why():
+    from labkit.engine.cudagraphs import mla_cudagraph_mode
+
+    mode, note = mla_cudagraph_mode("full_and_piecewise")
+    assert mode == "full_decode_only" and "not split" in note
+    assert mla_cudagraph_mode("full_decode_only") == ("full_decode_only", None)
+    assert mla_cudagraph_mode("none") == ("none", None)

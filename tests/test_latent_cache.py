@@ -61,8 +61,10 @@ def test_padding_slots_write_nothing_and_bad_slots_write_nothing_at_all():
     cache.write_latent(0, torch.ones(3, RANK + ROPE), torch.tensor([-1, 4, -1]))
     assert cache.latent_cache(0).view(16, -1).sum(1).nonzero().flatten().tolist() == [4]
     before = cache.kv.clone()
-    for slots in ([1, 16, 2], [1, 1, 2], [0, -2, 3]):
-        with pytest.raises(ValueError, match="distinct slots in"):
+    for slots, words in (([1, 16, 2], r"slot 16, outside \[-1, 16\)"),
+                         ([1, 1, 2], "gives slot 1 to more than one token"),
+                         ([0, -2, 3], r"slot -2, outside \[-1, 16\)")):
+        with pytest.raises(ValueError, match=words):
             cache.write_latent(0, torch.full((3, RANK + ROPE), 7.0), torch.tensor(slots))
     assert torch.equal(cache.kv, before), "a refused write changed the cache"
 

@@ -69,6 +69,20 @@ def resolve_cudagraph_mode(cudagraph_mode: str | None, enforce_eager: bool,
     return cudagraph_mode
 
 
+def mla_cudagraph_mode(mode: str) -> tuple[str, str | None]:
+    """The mode an MLA model runs under, and a line for the selection log when it differs:
+    its layers are not split at attention, so piecewise graphs are refused and
+    full_and_piecewise keeps its full decode graphs only."""
+    if mode == "piecewise":
+        raise ValueError("cudagraph_mode='piecewise' splits the Llama layers at attention; MLA "
+                         "layers are not split yet: use 'full_decode_only' or 'none'")
+    if mode == "full_and_piecewise":
+        return "full_decode_only", ("cudagraph_mode: full_decode_only (an MLA model's layers "
+                                    "are not split for piecewise graphs: mixed steps run "
+                                    "eagerly)")
+    return mode, None
+
+
 @torch.inference_mode()
 def capture_decode_graphs(decode_forward: Callable, buckets: Sequence[int],
                           context_buckets: Sequence[int] | None, max_blocks_per_seq: int,

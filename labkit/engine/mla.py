@@ -29,6 +29,7 @@ from labkit.attention import paged_mla_attention
 from labkit.engine.config import ModelConfig
 from labkit.engine.model import model_dtype, rope_inv_freq
 from labkit.kernels.layer_ops import apply_rope, rms_norm, rope_cos_sin
+from labkit.kernels.store_kv import store_kv_ref
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm keep the default eps, not rms_norm_eps
 
@@ -56,8 +57,9 @@ def write_latents(latent_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: 
     """Store a step's latents. latent_cache: [num_blocks, block_size, kv_lora_rank + rope];
     slot_mapping: [T], ``block_id * block_size + offset``; c_kv: [T, kv_lora_rank];
     k_pe: [T, rope]."""
-    rows = latent_cache.view(-1, latent_cache.shape[-1])  # a view: the store lands in the cache
-    rows[slot_mapping.long()] = torch.cat([c_kv, k_pe], dim=-1).to(latent_cache.dtype)
+    rows = latent_cache[:, :, None]  # one "head": the paged K/V store's layout, a view
+    row = torch.cat([c_kv, k_pe], dim=-1).to(latent_cache.dtype)[:, None]
+    store_kv_ref(row, row, rows, rows, slot_mapping, check=False)
 
 
 def step_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from labkit.engine.cudagraphs import (  # noqa: F401  (the runner's names for th
     capture_decode_graphs,
     capture_piecewise_graphs,
     graph_memory,
+    mla_cudagraph_mode,
     resolve_cudagraph_mode,
 )
 from labkit.engine.compiled_pieces import CompiledPiecewise
@@ -139,14 +140,7 @@ class ModelRunner:
             if compile or self.fused_ops:
                 raise ValueError("compile=True and fused_ops=True run the Llama layer's ops; an "
                                  "MLA model runs its own: leave both off")
-            if self.cudagraph_mode == "piecewise":
-                raise ValueError("cudagraph_mode='piecewise' splits the Llama layers at "
-                                 "attention; MLA layers are not split yet: use "
-                                 "'full_decode_only' or 'none'")
-            if self.cudagraph_mode == "full_and_piecewise":
-                self.cudagraph_mode = "full_decode_only"
-                mla_note = ("cudagraph_mode: full_decode_only (an MLA model's layers are not "
-                            "split for piecewise graphs: mixed steps run eagerly)")
+            self.cudagraph_mode, mla_note = mla_cudagraph_mode(self.cudagraph_mode)
         self.compiled = None
         if compile:
             if self.fused_ops:

@@ -275,17 +275,10 @@ class PagedKVCache:
                 slot_mapping.shape[0] != latent.shape[0] or slot_mapping.is_floating_point():
             raise ValueError(f"slot_mapping must be an int tensor [{latent.shape[0]}] (one slot "
                              f"per latent row), got {slot_mapping!r}")
-        capacity = self.num_blocks * self.block_size
-        if check:
-            kept = slot_mapping[slot_mapping >= 0].long()
-            if kept.numel() and (int(kept.max()) >= capacity or int(slot_mapping.min()) < -1
-                                 or kept.unique().numel() != kept.numel()):
-                raise ValueError(f"slot_mapping must hold distinct slots in [0, {capacity}) or "
-                                 f"-1 for padding, got {slot_mapping.tolist()[:8]}")
         rows = self.kv[self._layer(layer), 0]  # [num_blocks, block_size, 1, width]
         row = latent.contiguous()[:, None]
         (store_kv if use_kernel else store_kv_ref)(row, row, rows, rows, slot_mapping,
-                                                   check=False)
+                                                   check=check)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply the block manager's copy-on-write (src, dst) pairs, every layer, K and V."""
