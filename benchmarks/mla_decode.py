@@ -12,6 +12,14 @@ of 64 tokens, each call replayed from a CUDA Graph as an engine's decode step re
 3. beside them, GQA decode (paged_attention, 32 query / 8 KV heads of 128) at batch 64 and
    4,096 tokens: per token it reads 2,048 values where MLA reads 576.
 
+Bytes are not the whole story: every head multiplies each latent row twice (576 wide as a key,
+512 as a value), so a decode call does ``2 * heads * (576 + 512)`` FLOPs per cached token
+against 1,152 bytes. At 16 heads that is about 30 FLOPs a byte, far under the H200's ridge
+(bf16 matmul over copy bandwidth, both measured here: about 180), so the copy bandwidth bounds
+it; at 128 heads about 240, over the ridge: the tensor cores bound it, and no kernel reaches 75%
+of copy bandwidth there. Each MLA case prints its TFLOP/s and the time the tighter of the two
+roofs allows.
+
 Every cache here is larger than the H200's 60 MB L2, so each call reads it from HBM; no flush
 is needed. The cases of a section are timed in the same interleaved rounds; each figure is the
 median with its range, and a target is met only when the whole range clears it.
@@ -38,9 +46,28 @@ SCALE = (128 + 64) ** -0.5  # DeepSeek-V3: 1/sqrt(qk_nope_head_dim + qk_rope_hea
 TARGETS = {"batch 64": 0.75, "batch 1": 0.70}
 
 
+def mla_flops(batch: int, heads: int, ctx: int) -> int:
+    """FLOPs of one decode call: per head and cached token, a 576-wide dot for the score and a
+    512-wide multiply-add into the output (the softmax's few operations not counted)."""
+    return 2 * batch * heads * ctx * ((RANK + ROPE) + RANK)
+
+
+def roof_us(nbytes: int, flops: int, copy_gbps: float, matmul_tflops: float) -> float:
+    """The shortest time the two roofs allow: every byte at copy speed, or every FLOP at
+    matmul speed, whichever takes longer."""
+    return max(nbytes / (copy_gbps * 1e3), flops / (matmul_tflops * 1e6))
+
+
 def _replayed(fn):
+    """A replay of ``fn`` captured. The graph holds no reference to the tensors it reads and
+    writes, so the replay holds ``fn`` (and with it they stay alive): without it a case's cache
+    was freed once built, and its replays read memory handed to the next case."""
     graph, _ = capture_graph(fn)
-    return graph.replay
+
+    def replay():
+        graph.replay()
+    replay.captured = fn
+    return replay
 
 
 def _table(batch: int, ctx: int, g: torch.Generator) -> torch.Tensor:
@@ -100,13 +127,25 @@ def run(out_dir: Path | None = None) -> dict:
     dst = torch.empty_like(src)
     copy = timed({"copy": lambda: dst.copy_(src)}, {"copy": 2 * n})["copy"]
     del src, dst
-    results = {"copy_gbps": copy["gbps"], "copy": copy, "rounds": ROUNDS, "sections": {}}
+    a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    mm = interleaved({"mm": lambda: a @ b}, rounds=ROUNDS, device=DEV, warmup=3, repeats=20)
+    matmul_tflops = 2 * 8192 ** 3 / (mm.us("mm").median * 1e6)
+    del a, b
+    print(f"roofs: copy {copy['gbps']:.0f} GB/s, bf16 matmul (8192^3) {matmul_tflops:.0f} "
+          f"TFLOP/s: ridge {matmul_tflops * 1e3 / copy['gbps']:.0f} FLOPs a byte")
+    results = {"copy_gbps": copy["gbps"], "copy": copy, "matmul_tflops": matmul_tflops,
+               "rounds": ROUNDS, "sections": {}}
+    shapes = {}
     sections = {
         "batch 64": {f"MLA {h} heads": (lambda h=h: latent_decode(64, h, 4096)) for h in (16, 128)}
         | {"GQA 32/8 heads of 128": lambda: gqa_decode(64, 4096)},
         "batch 1": {f"MLA {h} heads, {label}": (lambda h=h, s=s: latent_decode(1, h, 32768, s))
                     for h in (16, 128) for label, s in (("split (auto)", None), ("no split", 1))},
     }
+    for h in (16, 128):
+        shapes[f"MLA {h} heads"] = (64, h, 4096)
+        for label in ("split (auto)", "no split"):
+            shapes[f"MLA {h} heads, {label}"] = (1, h, 32768)
     for section, builders in sections.items():
         cases, nbytes = {}, {}
         for name, build in builders.items():
@@ -120,6 +159,11 @@ def run(out_dir: Path | None = None) -> dict:
             r["copy_share"], r["copy_share_range"] = share.median, [share.low, share.high]
             line = (f"  {name:<32} {r['us']:>8.1f} us  {r['gbps']:>6.0f} GB/s  "
                     f"{share.median:.0%} of copy ({share.low:.0%}-{share.high:.0%})")
+            if name in shapes:
+                flops = mla_flops(*shapes[name])
+                r["tflops"] = flops / (r["us"] * 1e6)
+                r["roof_us"] = roof_us(nbytes[name], flops, copy["gbps"], matmul_tflops)
+                line += f"  {r['tflops']:>4.0f} TFLOP/s, {r['roof_us'] / r['us']:.0%} of roof"
             if name.startswith("MLA") and "no split" not in name:  # the cases with a target
                 r["target_met"] = share.low >= target  # the whole range clears it, or not met
                 line += f"  target {target:.0%} {'met' if r['target_met'] else 'not met'}"
@@ -134,8 +178,69 @@ def run(out_dir: Path | None = None) -> dict:
     return results
 
 
+def sweep(out_dir: Path | None = None) -> list[dict]:
+    """Tile settings against each target case, one plan per setting built from ``plan_mla``'s
+    (heads per program, keys per tile, warps, stages, KV splits), each replayed from a graph:
+    the data behind ``plan_mla``'s choices. A setting that does not compile (registers, shared
+    memory) is listed with its error."""
+    import dataclasses
+    import itertools
+    from labkit.kernels.grid import cdiv
+    from labkit.kernels.paged_mla_attention import plan_mla
+    from labkit.measure.bench import measure
+    rows = []
+    for batch, heads, ctx in ((64, 16, 4096), (64, 128, 4096), (1, 16, 32768), (1, 128, 32768)):
+        g = torch.Generator(device="cpu").manual_seed(0)
+        table = _table(batch, ctx, g)
+        cache = torch.randn(table.numel(), BLOCK, RANK + ROPE, device=DEV, dtype=torch.bfloat16)
+        ql = torch.randn(batch, heads, RANK, device=DEV, dtype=torch.bfloat16)
+        qr = torch.randn(batch, heads, ROPE, device=DEV, dtype=torch.bfloat16)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+        out = torch.empty_like(ql)
+        nbytes = batch * ctx * (RANK + ROPE) * 2
+        base = plan_mla(heads, RANK, cache.shape, batch, ctx, 1, DEV, scale=SCALE)
+        splits = (1, 2, 4) if batch > 1 else (16, 32, 64)
+        for group, bn, warps, stages, ns in itertools.product(
+                (16, 32, 64), (32, 64), (4, 8), (2, 3), splits):
+            if group > max(heads, 16):
+                continue
+            plan = dataclasses.replace(
+                base, consts={**base.consts, "HEADS": group, "BLOCK_Q": 1, "BLOCK_N": bn},
+                launch={"num_warps": warps, "num_stages": stages},
+                grid=(batch, cdiv(heads, group), ns), num_splits=ns,
+                keys_per_split=cdiv(cdiv(ctx, ns), bn) * bn)
+            row = {"batch": batch, "heads": heads, "ctx": ctx, "group": group, "block_n": bn,
+                   "warps": warps, "stages": stages, "splits": ns}
+            try:
+                fn = lambda plan=plan: plan.run(ql, qr, cache, table, cu, lens, out=out)
+                replay = _replayed(fn)
+                t = measure(replay, device=DEV, warmup=2, repeats=10)
+                row |= {"us": t.median_us, "gbps": nbytes / (t.median_us * 1e3)}
+            except Exception as e:  # noqa: BLE001 (a setting that does not fit is a result)
+                row["error"] = f"{type(e).__name__}: {e}"[:120]
+            rows.append(row)
+        done = [r for r in rows if r["heads"] == heads and r["batch"] == batch and "us" in r]
+        done.sort(key=lambda r: r["us"])
+        print(f"batch {batch} heads {heads} ctx {ctx}: plan_mla's choice "
+              f"{base.consts} {base.launch} splits {base.num_splits}; fastest:")
+        for r in done[:6]:
+            print(f"  group {r['group']:>3} block_n {r['block_n']:>3} warps {r['warps']} "
+                  f"stages {r['stages']} splits {r['splits']:>2}: {r['us']:8.1f} us "
+                  f"{r['gbps']:6.0f} GB/s")
+        del cache, table
+        free_memory(DEV)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "mla_sweep.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="folder for mla_decode.json")
-    run(parser.parse_args().out)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time tile settings per case instead (-> mla_sweep.json)")
+    args = parser.parse_args()
+    sweep(args.out) if args.sweep else run(args.out)
