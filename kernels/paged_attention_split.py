@@ -22,6 +22,7 @@ from labkit.kernels.grid import cdiv, next_power_of_2
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its partial write, the merge) dominates
 MAX_SPLITS = 64
+MERGE_BLOCK_D = 128  # output columns per merge program (head_dim, a power of two, if narrower)
 
 
 WAVES = 4  # programs per SM wanted. A program streams its keys alone; with too few of them the
@@ -38,10 +39,10 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per (sequence, kv head, query tile) so that about ``WAVES`` programs per SM run.
+def choose_num_splits(programs: int, max_seq_len: int, num_sms: int, waves: int = WAVES) -> int:
+    """Splits per (sequence, kv head, query tile) so that about ``waves`` programs per SM run.
     Rounded to nearest, not up: one split too many costs more than a slightly short wave."""
-    wanted = int(WAVES * num_sms / max(programs, 1) + 0.5)
+    wanted = int(waves * num_sms / max(programs, 1) + 0.5)
     if wanted <= 1:
         return 1
     useful = cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
@@ -51,11 +52,11 @@ def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
 @triton.jit
 def _merge_splits_kernel(Partial, Lse, Out, num_splits,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot,
-                         stride_oh, HEAD_DIM: tl.constexpr, SPLITS_P: tl.constexpr):
+                         stride_oh, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     real = offs_s < num_splits
     lse = tl.load(Lse + token * stride_lt + head * stride_lh + offs_s, mask=real,
                   other=float("-inf"))
@@ -75,11 +76,14 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) ->
     total_q, num_heads, num_splits, head_dim = partial.shape
     if total_q == 0:
         return out
-    _merge_splits_kernel[(total_q, num_heads)](
+    # A program holds SPLITS_P x BLOCK_D partials in registers; MLA's 512-wide rows over 64
+    # splits would be 128 KiB, so wide rows are merged in slices of MERGE_BLOCK_D columns.
+    block_d = min(head_dim, MERGE_BLOCK_D)
+    _merge_splits_kernel[(total_q, num_heads, head_dim // block_d)](
         partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_P=next_power_of_2(num_splits))
+        BLOCK_D=block_d, SPLITS_P=next_power_of_2(num_splits))
     return out
 
 

@@ -38,7 +38,8 @@ from labkit.kernels.attention_checks import (QUERY_DTYPES, check_cu_seqlens, che
                                              check_tables, check_tensors, resolve_max_query_len,
                                              softmax_scale)
 from labkit.kernels.grid import cdiv, next_power_of_2
-from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits, num_sms
+from labkit.kernels.paged_attention_split import (WAVES, choose_num_splits, merge_splits,
+                                                   num_sms)
 
 LOG2_E = 1.4426950408889634
 
@@ -214,25 +215,44 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
              max_query_len: int, device, *, scale: float, causal: bool = True,
              num_splits: int | None = None) -> MLAPlan:
     """The tile plan for ``batch`` sequences, the longest ``max_seq_len`` tokens with
-    ``max_query_len`` new ones. Heads are grouped so that a program's rows (tokens x heads) reach
-    the 16 that tl.dot needs and stay within what its registers hold: the accumulator is
-    rows x kv_lora_rank float32."""
+    ``max_query_len`` new ones. A program's rows are (token, head) pairs, at least the 16 that
+    tl.dot needs; its accumulator is rows x kv_lora_rank float32, so rows cost registers.
+
+    The decode choices come from ``benchmarks/mla_decode.py --sweep`` on an H200 (DeepSeek-V3's
+    512 + 64 latent, bf16): with many heads, 64 per program and 8 warps, so each latent tile
+    serves more heads before it leaves (batch 64 at 4k with 128 heads: 2.8x faster than 32 per
+    program with 32-key tiles), unless too few programs would run, where 32 per program with
+    more splits wins; programs that heavy want about one per SM, not ``WAVES``. With 16 heads,
+    4-warp programs over 32-key tiles, several per SM, and 64-key tiles with 8 warps once the
+    grid no longer fills the GPU (a long context split across one sequence)."""
     interp = interpreter_on()
-    row_cap = 16 if interp else (32 if rank <= 512 else 16)
-    heads = min(next_power_of_2(num_heads), row_cap)
-    block_q = min(next_power_of_2(max(max_query_len, 1)), max(1, row_cap // heads))
-    if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
-        heads = max(heads, 16)
-    block_q = max(block_q, 16 // heads)
-    block_n = 16 if interp else 32
+    sms = num_sms(torch.device(device))
+    decode = max_query_len <= 1 and not interp
+    if decode:
+        heads = 64 if num_heads >= 64 and batch * cdiv(num_heads, 64) >= sms // 2 else \
+            (32 if num_heads >= 32 else 16)
+        block_q = 1
+    else:  # chunks and verify tokens: rows shared by tokens and heads, 32 at most
+        row_cap = 16 if interp else (32 if rank <= 512 else 16)
+        heads = min(next_power_of_2(num_heads), row_cap)
+        block_q = min(next_power_of_2(max(max_query_len, 1)), max(1, row_cap // heads))
+        if block_q == 1:  # the rows are the group's heads, padded to the 16 tl.dot wants
+            heads = max(heads, 16)
+        block_q = max(block_q, 16 // heads)
     rows = block_q * heads
-    launch = {"num_warps": 8 if rows >= 32 else 4, "num_stages": 2}
     head_groups = cdiv(num_heads, heads)
     q_tiles = cdiv(max(max_query_len, 1), block_q)
+    programs = batch * head_groups * q_tiles
     if num_splits is None:
-        num_splits = choose_num_splits(batch * head_groups * q_tiles, max_seq_len,
-                                       num_sms(torch.device(device)))
+        num_splits = choose_num_splits(programs, max_seq_len, sms,
+                                       waves=1 if decode and rows >= 32 else WAVES)
     check_positive_int("num_splits", num_splits, hint="or None to choose")
+    if interp:
+        block_n, launch = 16, {"num_warps": 4, "num_stages": 2}
+    elif rows >= 32 or (decode and programs * num_splits <= sms):
+        block_n, launch = 64, {"num_warps": 8, "num_stages": 3 if rows >= 64 else 2}
+    else:
+        block_n, launch = 32, {"num_warps": 4, "num_stages": 2}
     keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     consts = {"HEADS": heads, "BLOCK_Q": block_q, "BLOCK_N": block_n, "CAUSAL": bool(causal)}
     grid = (batch if max_query_len > 0 else 0, head_groups, q_tiles * num_splits)

@@ -217,13 +217,14 @@ def test_paged_fp8_cache_matches_reference_on_the_same_fp8_values(prefetch, wind
                         f"{num_splits} splits: max error {err:.2e}")
 
 
-def test_merge_of_splits_matches_its_formula_including_empty_splits():
+@pytest.mark.parametrize("head_dim", [64, 512])  # 512: MLA's rows, merged in column slices
+def test_merge_of_splits_matches_its_formula_including_empty_splits(head_dim):
     g = torch.Generator().manual_seed(fresh_seed())
-    partial = torch.randn(5, 3, 4, 64, generator=g)
+    partial = torch.randn(5, 3, 4, head_dim, generator=g)
     lse = torch.randn(5, 3, 4, generator=g) * 4
     lse[0, :, 1:] = float("-inf")  # only one split saw keys
     lse[1] = float("-inf")  # no split saw any key: zeros
-    out = merge_splits(partial, lse, torch.empty(5, 3, 64))
+    out = merge_splits(partial, lse, torch.empty(5, 3, head_dim))
     assert max_err(out, merge_splits_ref(partial, lse)) < 1e-5
     assert out[1].abs().max() == 0
 
@@ -232,6 +233,7 @@ def test_split_is_chosen_only_when_the_gpu_would_be_underfilled():
     assert choose_num_splits(64 * 8, 4096, 132) == 1, "512 programs fill 132 SMs"
     assert choose_num_splits(8, 32768, 132) > 8, "8 programs over 32k keys must split"
     assert choose_num_splits(8, 300, 132) == 2, "short contexts split only into useful pieces"
+    assert choose_num_splits(128, 4096, 132, waves=1) == 1, "one heavy program per SM: no split"
 
 
 # --- on a GPU: bf16 against float64, fp8 ------------------------------------------------------

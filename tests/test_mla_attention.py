@@ -150,7 +150,42 @@ def test_bad_input_names_the_parameter_and_the_limit(change, error, words):
         paged_mla_attention(**_bad(**change))
 
 
+def test_decode_plans_follow_the_h200_sweep(monkeypatch):
+    """plan_mla's GPU decode choices, as benchmarks/mla_decode.py --sweep measured them fastest
+    on an H200 (132 SMs), checked here with the interpreter switched off for the planner only."""
+    from labkit.kernels import paged_mla_attention as mla
+    monkeypatch.setattr(mla, "interpreter_on", lambda: False)
+    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+
+    def plan(batch, heads, ctx):
+        p = mla.plan_mla(heads, 512, (batch * ctx // 64, 64, 576), batch, ctx, 1, "cpu",
+                         scale=1.0)
+        return (p.consts["HEADS"], p.consts["BLOCK_N"], p.launch["num_warps"],
+                p.launch["num_stages"], p.num_splits)
+    assert plan(64, 128, 4096) == (64, 64, 8, 3, 1), "many heads: 64 per program, no split"
+    assert plan(1, 128, 32768) == (32, 64, 8, 2, 33), "one sequence: 32 per program, ~1 wave"
+    assert plan(64, 16, 4096) == (16, 32, 4, 2, 8), "light programs, several per SM"
+    assert plan(1, 16, 32768) == (16, 64, 8, 2, 64), "a grid short of the SMs: 64-key tiles"
+    mixed = mla.plan_mla(128, 512, (4096, 64, 576), 8, 4096, 5, "cpu", scale=1.0)
+    assert mixed.consts["HEADS"] * mixed.consts["BLOCK_Q"] == 32, "verify tokens: rows cap at 32"
+
+
 # --- on a GPU: DeepSeek's widths in bf16, and inside a CUDA Graph -----------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,ctx", [(70, 128, 300), (1, 128, 20000), (1, 16, 20000),
+                                             (64, 16, 1000)])
+def test_gpu_mla_decode_plans_match_the_reference(batch, heads, ctx):
+    """Each decode plan the planner picks (64 heads per program, 32 with splits, 16 with 32- or
+    64-key tiles) on lengths off the tile."""
+    seed = fresh_seed()
+    lens = [ctx - (7 * i) % (ctx // 2) for i in range(batch)]
+    args = mla_batch([1] * batch, lens, heads, 64, torch.bfloat16, seed, rank=512, rope=64,
+                     device="cuda")
+    err = rel_err(paged_mla_attention(*args, scale=192 ** -0.5),
+                  paged_mla_attention_ref(*args, scale=192 ** -0.5))
+    assert err < 1e-2, f"seed {seed}: batch {batch}, {heads} heads, {ctx} keys: {err:.2e}"
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
@@ -183,3 +218,26 @@ def test_gpu_mla_decode_replays_in_a_cuda_graph_with_new_inputs():
     graph.replay()
     ref = paged_mla_attention_ref(q_latent, q_rope, cache, table, cu, lens, scale=192 ** -0.5)
     assert rel_err(out, ref) < 1e-2, f"seed {seed}: the replay did not read the new inputs"
+
+
+def test_the_benchmarks_flop_count_is_what_the_matmuls_of_a_decode_step_do():
+    """benchmarks/mla_decode.py rates each case against the tighter of two roofs from its FLOPs:
+    they must be the FLOPs torch counts in the decode's own matmuls (scores over the 576-wide
+    latent rows, the output over their first 512 columns)."""
+    import importlib.util
+    from pathlib import Path
+    from torch.utils.flop_counter import FlopCounterMode
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "mla_decode.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_mla_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    batch, heads, ctx, rank, rope = 2, 4, 8, bench.RANK, bench.ROPE
+    q = torch.randn(batch, heads, rank + rope)
+    latent = torch.randn(batch, ctx, rank + rope)
+    with FlopCounterMode(display=False) as counter:
+        p = torch.softmax(q @ latent.transpose(1, 2), -1)
+        p @ latent[..., :rank]
+    assert bench.mla_flops(batch, heads, ctx) == counter.get_total_flops()
+    # 1,000 bytes at 1,000 GB/s take 1 ns; 10^6 FLOPs at 1 TFLOP/s take 1 us: the larger wins
+    assert bench.roof_us(1000, 10**6, 1000.0, 1.0) == pytest.approx(1.0)
+    assert bench.roof_us(10**7, 1, 1000.0, 1.0) == pytest.approx(10.0)
