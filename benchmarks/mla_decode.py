@@ -15,7 +15,7 @@ of 64 tokens, each call replayed from a CUDA Graph as an engine's decode step re
 Bytes are not the whole story: every head multiplies each latent row twice (576 wide as a key,
 512 as a value), so a decode call does ``2 * heads * (576 + 512)`` FLOPs per cached token
 against 1,152 bytes. At 16 heads that is about 30 FLOPs a byte, far under the H200's ridge
-(bf16 matmul over copy bandwidth, both measured here: about 180), so the copy bandwidth bounds
+(bf16 matmul over copy bandwidth, both timed here and printed), so the copy bandwidth bounds
 it; at 128 heads about 240, over the ridge: the tensor cores bound it, and no kernel reaches 75%
 of copy bandwidth there. Each MLA case prints its TFLOP/s and the time the tighter of the two
 roofs allows.
@@ -34,114 +34,31 @@ from pathlib import Path
 import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
-from labkit.attention import paged_attention, paged_mla_attention
 from labkit.device import describe, fingerprint, free_memory
-from labkit.graphs import capture_graph
-from labkit.measure.rounds import Spread, interleaved
+from labkit.lessons.mla import (BLOCK, RANK, ROPE, SCALE, gqa_decode, latent_decode, rate,
+                                roofs, timed)
 
 DEV = "cuda"
 ROUNDS = 5
-RANK, ROPE, BLOCK = 512, 64, 64
-SCALE = (128 + 64) ** -0.5  # DeepSeek-V3: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
 TARGETS = {"batch 64": 0.75, "batch 1": 0.70}
-
-
-def mla_flops(batch: int, heads: int, ctx: int) -> int:
-    """FLOPs of one decode call: per head and cached token, a 576-wide dot for the score and a
-    512-wide multiply-add into the output (the softmax's few operations not counted)."""
-    return 2 * batch * heads * ctx * ((RANK + ROPE) + RANK)
-
-
-def roof_us(nbytes: int, flops: int, copy_gbps: float, matmul_tflops: float) -> float:
-    """The shortest time the two roofs allow: every byte at copy speed, or every FLOP at
-    matmul speed, whichever takes longer."""
-    return max(nbytes / (copy_gbps * 1e3), flops / (matmul_tflops * 1e6))
-
-
-def _replayed(fn):
-    """A replay of ``fn`` captured. The graph holds no reference to the tensors it reads and
-    writes, so the replay holds ``fn`` (and with it they stay alive): without it a case's cache
-    was freed once built, and its replays read memory handed to the next case."""
-    graph, _ = capture_graph(fn)
-
-    def replay():
-        graph.replay()
-    replay.captured = fn
-    return replay
-
-
-def _table(batch: int, ctx: int, g: torch.Generator) -> torch.Tensor:
-    per_seq = math.ceil(ctx / BLOCK)
-    return torch.randperm(batch * per_seq, generator=g).reshape(batch, per_seq).int().to(DEV)
-
-
-def latent_decode(batch: int, heads: int, ctx: int, num_splits: int | None = None, seed=0):
-    """(a replay of one decode call, bytes of latent cache it reads)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    table = _table(batch, ctx, g)
-    cache = torch.randn(table.numel(), BLOCK, RANK + ROPE, device=DEV, dtype=torch.bfloat16)
-    q_latent = torch.randn(batch, heads, RANK, device=DEV, dtype=torch.bfloat16)
-    q_rope = torch.randn(batch, heads, ROPE, device=DEV, dtype=torch.bfloat16)
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    out = torch.empty_like(q_latent)
-    call = lambda: paged_mla_attention(q_latent, q_rope, cache, table, cu, lens, scale=SCALE,
-                                       check=False, max_query_len=1, num_splits=num_splits,
-                                       out=out)
-    return _replayed(call), batch * ctx * (RANK + ROPE) * 2
-
-
-def gqa_decode(batch: int, ctx: int, seed=0):
-    """The same decode for a GQA model (32 / 8 heads of 128, blocks of 16), for comparison."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    per_seq = math.ceil(ctx / 16)
-    table = torch.randperm(batch * per_seq, generator=g).reshape(batch, per_seq).int().to(DEV)
-    k, v = (torch.randn(table.numel(), 16, 8, 128, device=DEV, dtype=torch.bfloat16)
-            for _ in range(2))
-    q = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16)
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    call = lambda: paged_attention(q, k, v, table, cu, lens, check=False, max_query_len=1)
-    return _replayed(call), 2 * batch * ctx * 8 * 128 * 2
-
-
-def timed(cases: dict, nbytes: dict) -> dict:
-    """Each case's microseconds and GB/s over interleaved rounds: medians with their ranges."""
-    rounds = interleaved(cases, rounds=ROUNDS, device=DEV, warmup=3, repeats=20)
-    out = {}
-    for name in cases:
-        us = rounds.us(name)
-        gbps = Spread.of([nbytes[name] / (t * 1e-6) / 1e9 for t in us.values])
-        out[name] = {"us": us.median, "us_range": [us.low, us.high],
-                     "gbps": gbps.median, "gbps_range": [gbps.low, gbps.high],
-                     "gbps_rounds": list(gbps.values)}
-    return out
 
 
 def run(out_dir: Path | None = None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/mla_decode.py needs a CUDA GPU")
     print(describe())
-    n = 2 * 2**30
-    src = torch.empty(n // 2, dtype=torch.float16, device=DEV).normal_()
-    dst = torch.empty_like(src)
-    copy = timed({"copy": lambda: dst.copy_(src)}, {"copy": 2 * n})["copy"]
-    del src, dst
-    a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    mm = interleaved({"mm": lambda: a @ b}, rounds=ROUNDS, device=DEV, warmup=3, repeats=20)
-    matmul_tflops = 2 * 8192 ** 3 / (mm.us("mm").median * 1e6)
-    del a, b
-    print(f"roofs: copy {copy['gbps']:.0f} GB/s, bf16 matmul (8192^3) {matmul_tflops:.0f} "
-          f"TFLOP/s: ridge {matmul_tflops * 1e3 / copy['gbps']:.0f} FLOPs a byte")
-    results = {"copy_gbps": copy["gbps"], "copy": copy, "matmul_tflops": matmul_tflops,
-               "rounds": ROUNDS, "sections": {}}
-    shapes = {}
+    roof = roofs(ROUNDS, DEV)
+    print(f"roofs: copy {roof['copy_gbps']:.0f} GB/s ({roof['copy']['gbps_range'][0]:.0f}-"
+          f"{roof['copy']['gbps_range'][1]:.0f}), bf16 matmul (8192^3) "
+          f"{roof['matmul_tflops']:.0f} TFLOP/s: ridge {roof['ridge']:.0f} FLOPs a byte")
+    results = {**roof, "rounds": ROUNDS, "sections": {}}
     sections = {
         "batch 64": {f"MLA {h} heads": (lambda h=h: latent_decode(64, h, 4096)) for h in (16, 128)}
         | {"GQA 32/8 heads of 128": lambda: gqa_decode(64, 4096)},
         "batch 1": {f"MLA {h} heads, {label}": (lambda h=h, s=s: latent_decode(1, h, 32768, s))
                     for h in (16, 128) for label, s in (("split (auto)", None), ("no split", 1))},
     }
+    shapes = {}
     for h in (16, 128):
         shapes[f"MLA {h} heads"] = (64, h, 4096)
         for label in ("split (auto)", "no split"):
@@ -150,22 +67,17 @@ def run(out_dir: Path | None = None) -> dict:
         cases, nbytes = {}, {}
         for name, build in builders.items():
             cases[name], nbytes[name] = build()
-        res = timed(cases, nbytes)
+        res = rate(timed(cases, nbytes, ROUNDS, DEV), shapes, roof)
         target = TARGETS[section]
-        print(f"{section}: context {4096 if section == 'batch 64' else 32768}, copy "
-              f"{copy['gbps']:.0f} GB/s ({copy['gbps_range'][0]:.0f}-{copy['gbps_range'][1]:.0f})")
+        print(f"{section}: context {4096 if section == 'batch 64' else 32768}")
         for name, r in res.items():
-            share = Spread.of([g / copy["gbps"] for g in r["gbps_rounds"]])
-            r["copy_share"], r["copy_share_range"] = share.median, [share.low, share.high]
             line = (f"  {name:<32} {r['us']:>8.1f} us  {r['gbps']:>6.0f} GB/s  "
-                    f"{share.median:.0%} of copy ({share.low:.0%}-{share.high:.0%})")
+                    f"{r['copy_share']:.0%} of copy ({r['copy_share_range'][0]:.0%}-"
+                    f"{r['copy_share_range'][1]:.0%})")
             if name in shapes:
-                flops = mla_flops(*shapes[name])
-                r["tflops"] = flops / (r["us"] * 1e6)
-                r["roof_us"] = roof_us(nbytes[name], flops, copy["gbps"], matmul_tflops)
-                line += f"  {r['tflops']:>4.0f} TFLOP/s, {r['roof_us'] / r['us']:.0%} of roof"
+                line += f"  {r['tflops']:>4.0f} TFLOP/s, {r['roof_share']:.0%} of roof"
             if name.startswith("MLA") and "no split" not in name:  # the cases with a target
-                r["target_met"] = share.low >= target  # the whole range clears it, or not met
+                r["target_met"] = r["copy_share_range"][0] >= target  # the whole range clears it
                 line += f"  target {target:.0%} {'met' if r['target_met'] else 'not met'}"
             print(line)
         results["sections"][section] = res
@@ -178,6 +90,16 @@ def run(out_dir: Path | None = None) -> dict:
     return results
 
 
+def record() -> dict:
+    """`make record mla`: the decode figures notebook 10 shows where no GPU is present."""
+    return run()
+
+
+def _table(batch: int, ctx: int, g: torch.Generator) -> torch.Tensor:
+    per_seq = math.ceil(ctx / BLOCK)
+    return torch.randperm(batch * per_seq, generator=g).reshape(batch, per_seq).int().to(DEV)
+
+
 def sweep(out_dir: Path | None = None) -> list[dict]:
     """Tile settings against each target case, one plan per setting built from ``plan_mla``'s
     (heads per program, keys per tile, warps, stages, KV splits), each replayed from a graph:
@@ -187,6 +109,7 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
     import itertools
     from labkit.kernels.grid import cdiv
     from labkit.kernels.paged_mla_attention import plan_mla
+    from labkit.lessons.mla import replayed
     from labkit.measure.bench import measure
     rows = []
     for batch, heads, ctx in ((64, 16, 4096), (64, 128, 4096), (1, 16, 32768), (1, 128, 32768)):
@@ -214,7 +137,7 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
                    "warps": warps, "stages": stages, "splits": ns}
             try:
                 fn = lambda plan=plan: plan.run(ql, qr, cache, table, cu, lens, out=out)
-                replay = _replayed(fn)
+                replay = replayed(fn)
                 t = measure(replay, device=DEV, warmup=2, repeats=10)
                 row |= {"us": t.median_us, "gbps": nbytes / (t.median_us * 1e3)}
             except Exception as e:  # noqa: BLE001 (a setting that does not fit is a result)

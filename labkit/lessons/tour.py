@@ -56,7 +56,8 @@ CONCEPTS = [
      ("04 §3", "04 §5", "07 §4", "09 §2"), True),
     ("Pinned vs pageable memory", ("04 §1",), True),
     ("Paging, continuous batching and prefix caching", ("05 §1", "05 §3", "05.2", "08 §1"), False),
-    ("MLA: one shared latent per token, weight absorption", ("05 §1", "06 §3"), False),
+    ("MLA: one shared latent per token, weight absorption",
+     ("05 §1", "06 §3", "10 §1", "10 §2", "10 §5"), False),
     ("Speculative verification: several new tokens checked in one forward", (), True),
     ("Piecewise vs full CUDA graphs inside the engine", ("03 §3", "07 §4", "08 §1"), True),
 ]
@@ -91,6 +92,9 @@ SEQUENCE = [
      "buckets, priced in step time", "graph step times", "counts live, recorded H200 step times"),
     ("09_multi_gpu_overlap", "tensor-parallel layer: all-reduce overlapped with compute",
      "two GPUs, NCCL", "2-process gloo on CPU, recorded 2-GPU timeline"),
+    ("10_mla", "MLA's cache bytes, weight absorption, the latent-cache kernel on the roofline, "
+     "the engine serving a DeepSeek-shaped model", "decode speed, graphed engine",
+     "bytes, absorption, kernel and engine live, decode speed when recorded"),
 ]
 
 

@@ -1,0 +1,130 @@
+"""Notebook 10's lesson code (labkit/lessons/mla.py): the byte and FLOP arithmetic against
+independent counts, the absorption identity, the kernel check, and the claims' verdicts on
+measured figures made up to fall on either side."""
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from labkit.engine import random_model
+from labkit.lessons import mla
+from labkit.lessons.paged_kv_cache.attention_memory import DEEPSEEK_V3, GIB
+from labkit.teaching import reset_claims
+
+
+@pytest.fixture(autouse=True)
+def fresh_claims():
+    reset_claims()
+    yield
+    reset_claims()
+
+
+def test_scheme_table_counts_deepseek_v3s_cache_per_scheme():
+    t = mla.scheme_table(cache_gib=64.0, context=4096).set_index("values per token and layer")
+    assert list(t.index) == [128 * (192 + 128), 8 * (192 + 128), 192 + 128, 512 + 64]
+    mla_row = t.loc[576]
+    assert mla_row["KiB per token"] == 576 * 61 * 2 / 1024
+    assert mla_row["requests that fit"] == 64 * GIB // (576 * 61 * 2 * 4096)
+    assert t.loc[2560, "bytes vs MLA"] == pytest.approx(2560 / 576)
+
+
+def test_decode_intensity_is_flops_over_bytes():
+    assert mla.decode_intensity(DEEPSEEK_V3, "MHA", kv_heads=128) == 1.0
+    assert mla.decode_intensity(DEEPSEEK_V3, "MHA", kv_heads=8) == 16.0
+    ctx = 10
+    per_call = mla.mla_flops(1, 128, ctx) / (ctx * 576 * 2)
+    assert mla.decode_intensity(DEEPSEEK_V3, "MLA") == pytest.approx(per_call)
+    assert mla.decode_intensity(DEEPSEEK_V3, "MLA", heads=16) == pytest.approx(per_call / 8)
+
+
+def test_the_flop_count_is_what_the_matmuls_of_a_decode_step_do():
+    """Scores over the 576-wide rows and the output over their first 512 columns, as torch
+    counts them."""
+    batch, heads, ctx = 2, 4, 8
+    q = torch.randn(batch, heads, mla.RANK + mla.ROPE)
+    latent = torch.randn(batch, ctx, mla.RANK + mla.ROPE)
+    with FlopCounterMode(display=False) as counter:
+        p = torch.softmax(q @ latent.transpose(1, 2), -1)
+        p @ latent[..., :mla.RANK]
+    assert mla.mla_flops(batch, heads, ctx) == counter.get_total_flops()
+    # 1,000 bytes at 1,000 GB/s take 1 ns; 10^6 FLOPs at 1 TFLOP/s take 1 us: the larger wins
+    assert mla.roof_us(1000, 10**6, 1000.0, 1.0) == pytest.approx(1.0)
+    assert mla.roof_us(10**7, 1, 1000.0, 1.0) == pytest.approx(10.0)
+
+
+def test_absorbed_and_decompressed_attention_agree_on_a_real_layer():
+    model = random_model(mla.tiny_mla_config(), seed=1, std=0.15)
+    attention = model.model.layers[0].self_attn
+    check = mla.absorption_check(attention)
+    assert check["score_diff"] < 1e-12 and check["output_diff"] < 1e-12
+    assert check["output_scale"] > 0.1, "outputs near zero would agree for any weights"
+    assert (check["heads"], check["nope"], check["rank"]) == (4, 24, 32)
+    claims = mla.absorption_claims(check, mla.decode_step_flops(context=4096), 4096)
+    assert all(c.held for c in claims)
+
+
+def test_decompressing_every_step_costs_the_up_projection_of_the_whole_cache():
+    f = mla.decode_step_flops(context=4096)
+    assert f.loc["decompressed", "up-projections"] == 2 * 4096 * 128 * (128 + 128) * 512
+    assert f.loc["absorbed", "attention"] == mla.mla_flops(1, 128, 4096)
+    assert f.loc["decompressed", "total GFLOP"] > 100 * f.loc["absorbed", "total GFLOP"]
+
+
+def test_the_kernel_check_runs_the_kernel_on_a_mixed_batch():
+    check = mla.kernel_check(torch.device("cpu"))
+    assert check["rel_err"] < check["tol"] and check["lens_q"] == [1, 3, 0, 21]
+    assert mla.kernel_claim(check).held
+    source = mla.kernel_loop_source()
+    assert source.startswith("for n in range(lo, hi, BLOCK_N):") and "tl.dot" in source
+
+
+def measured(share16=(0.55, 0.60), share128=(0.20, 0.25), us16=100.0, us128=300.0):
+    """A made-up measurement in the shape measure_decode returns."""
+    copy = 4000.0
+    nbytes = {16: 64 * 4096 * 1152, 128: 64 * 4096 * 1152}
+    cases = {}
+    for heads, share, us in ((16, share16, us16), (128, share128, us128)):
+        gbps = nbytes[heads] / (us * 1e3)
+        cases[f"MLA {heads} heads"] = {"us": us, "us_range": [us, us], "gbps": gbps,
+                                      "gbps_range": [gbps, gbps],
+                                      "gbps_rounds": [share[0] * copy, share[1] * copy]}
+    roof = {"copy_gbps": copy, "matmul_tflops": 700.0, "ridge": 175.0}
+    shapes = {"MLA 16 heads": (64, 16, 4096), "MLA 128 heads": (64, 128, 4096)}
+    return {**roof, "cases": mla.rate(cases, shapes, roof)}
+
+
+def test_rate_gives_shares_tflops_and_the_roof():
+    m = measured()
+    r = m["cases"]["MLA 128 heads"]
+    assert r["copy_share_range"] == pytest.approx([0.20, 0.25])
+    assert r["tflops"] == pytest.approx(mla.mla_flops(64, 128, 4096) / 300e6)
+    assert r["flops_per_byte"] == pytest.approx(mla.decode_intensity(DEEPSEEK_V3, "MLA"))
+    assert r["roof_share"] == pytest.approx(mla.mla_flops(64, 128, 4096) / 700e6 / 300)
+    assert not math.isnan(mla.decode_table(m).loc["MLA 16 heads", "of copy"])
+
+
+def test_decode_claims_hold_only_when_the_ranges_say_so():
+    assert all(c.held for c in mla.decode_claims(measured()))
+    # 128 heads reading as much of the copy bandwidth as 16 heads: not what compute-bound means
+    overlapping = mla.decode_claims(measured(share128=(0.50, 0.58)))
+    assert overlapping[0].held and not overlapping[1].held
+
+
+def test_the_intensity_claim_needs_gqa_under_the_ridge_and_mla_over_it():
+    table = mla.scheme_table()
+    assert mla.intensity_claim(table, 190.0).held
+    assert not mla.intensity_claim(table, 300.0).held  # a ridge over MLA's 242
+
+
+def test_engine_claim_counts_equal_prompts():
+    assert mla.engine_claim([[1, 2], [3]], [[1, 2], [3]], "x").held
+    assert not mla.engine_claim([[1, 2], [4]], [[1, 2], [3]], "x").held
+    assert not mla.engine_claim([], [], "x").held
+
+
+def test_figures_show_every_scheme_and_case():
+    fig = mla.intensity_figure(190.0, "test")
+    assert len(fig.data[0].x) == 7 and "MLA 128 heads" in fig.data[0].x
+    roof = mla.roofline_figure(measured(), "test")
+    assert {t.name for t in roof.data} >= {"MLA 16 heads", "MLA 128 heads"}
