@@ -11,86 +11,27 @@ Blocks are shared two ways, and a ``ref_count`` per block says by how many table
   partly filled last block. The first ``append_token`` into such a shared block copies it
   (copy-on-write) and returns ``(src, dst)`` for the caller to copy in the KV tensors.
 
-Speculative decoding writes KV for draft tokens that the target model may reject.
-``append_draft`` gives them slots (blocks, copy-on-write) but never seals a block holding one:
-only ``accept_draft`` commits the accepted ones (sealing the blocks they fill) and rolls the
-rest back, releasing blocks past the new end. So the prefix cache never finds a rejected token.
+Speculative decoding's draft tokens get slots but seal no block until they are accepted, so
+the prefix cache never finds a rejected token (``append_draft``, ``accept_draft``: see
+``kvcache/draft_tokens.py``).
 
 A block is released when its ref count drops to zero: to the free list, or, if registered in the
 prefix cache, to its evictable list, where it waits to be hit again or evicted (LRU) for space.
 Every operation checks it can finish before it changes anything: on :class:`OutOfBlocks` or a
-``ValueError`` the manager is exactly as before the call.
+``ValueError`` the manager is exactly as before the call (``kvcache/refusals.py``).
 """
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
-from operator import index
 from typing import Hashable, Sequence
 
 from labkit import check_positive_int, check_power_of_two
+from labkit.kvcache.cache_stats import CacheStats
+from labkit.kvcache.draft_tokens import DraftTokens
 from labkit.kvcache.prefix_cache import (
     HashFn, PrefixCache, block_hash, check_block_id, extra_key_bytes, root_hash,
 )
-
-
-TOKEN_IDS = "token ids must be ints (a tokenizer's output)"
-
-
-def _token_id(token_id, where: str) -> int:
-    """One token id as an int; the same refusal with prefix caching on or off."""
-    if isinstance(token_id, bool):
-        raise TypeError(f"{TOKEN_IDS}: {where} is a bool ({token_id}); pass the id itself")
-    try:
-        token_id = index(token_id)
-    except TypeError:
-        raise TypeError(f"{TOKEN_IDS}: {where} is {type(token_id).__name__} {token_id!r}") \
-            from None
-    if not -2**63 <= token_id < 2**63:
-        raise ValueError(f"{TOKEN_IDS} in [-2**63, 2**63): {where} is {token_id}")
-    return token_id
-
-
-def _token_bytes(token_ids) -> bytes:
-    """A prompt's token ids packed as int64, or the error that names the first bad one."""
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
-        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}: "
-                        "pass list(...) of the tokenizer's ids")
-    try:
-        if any(t.__class__ is bool for t in token_ids):
-            raise TypeError
-        return array("q", token_ids).tobytes()
-    except (TypeError, OverflowError):
-        for i, t in enumerate(token_ids):
-            _token_id(t, f"token_ids[{i}]")
-        raise
-
-
-class OutOfBlocks(RuntimeError):
-    """Not enough free or evictable blocks; nothing was changed."""
-
-    def __init__(self, what: str, needed: int, available: int, num_blocks: int):
-        self.needed, self.available = needed, available
-        super().__init__(
-            f"{what} needs {needed} new block(s) but only {available} of {num_blocks} are free "
-            f"or evictable: free (or preempt) running sequences, or make num_blocks larger")
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    hits: int             # prompt blocks served from the prefix cache
-    misses: int           # prompt blocks that had to be allocated (and computed)
-    evictions: int        # cached blocks taken back for new contents
-    hit_tokens: int
-    prompt_tokens: int
-    blocks_in_use: int    # held by at least one sequence
-    blocks_cached: int    # held by none, contents kept, evictable
-    blocks_free: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of prompt tokens whose KV came from the cache."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+from labkit.kvcache.refusals import OutOfBlocks, check_token_id, token_bytes
 
 
 class _Sequence:
@@ -107,7 +48,7 @@ class _Sequence:
         self.num_draft: int = 0              # trailing tokens awaiting verification
 
 
-class BlockManager:
+class BlockManager(DraftTokens):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
                  hash_fn: HashFn = block_hash):
         check_positive_int("num_blocks", num_blocks, hint="KV blocks in the cache")
@@ -156,9 +97,6 @@ class BlockManager:
     def num_tokens(self, seq_id) -> int:
         """Tokens holding slots, draft tokens included."""
         return self._get(seq_id).num_tokens
-
-    def num_draft_tokens(self, seq_id) -> int:
-        return self._get(seq_id).num_draft
 
     def ref_count(self, block: int) -> int:
         return self._ref[check_block_id(block, self.num_blocks)]
@@ -265,7 +203,7 @@ class BlockManager:
                              "set_token with the sampled id first")
         self._check_no_draft(seq_id, seq, "append_token")
         if token_id is not None:
-            token_id = _token_id(token_id, "token_id")  # fails here, before anything changes
+            token_id = check_token_id(token_id, "token_id")  # fails here, before anything changes
         pos = seq.num_tokens & self._mask
         copies = []
         try:
@@ -296,7 +234,7 @@ class BlockManager:
         if not seq.pending:
             raise ValueError(f"set_token({seq_id!r}): no pending token; append_token(seq_id, None) "
                              "reserves one")
-        token_id = _token_id(token_id, "token_id")
+        token_id = check_token_id(token_id, "token_id")
         if self.enable_prefix_caching:
             seq.tail[-1] = token_id
             if seq.num_tokens & self._mask == 0:  # the pending token filled its block
@@ -331,65 +269,6 @@ class BlockManager:
         del self._seqs[seq_id]
         self._release(seq.block_table, uncache)
 
-    def can_append_draft(self, seq_id, num_draft: int) -> bool:
-        return self._blocks_to_append_draft(self._get(seq_id), num_draft) <= self.num_free_blocks
-
-    def append_draft(self, seq_id, draft_token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Give slots to draft tokens that a verify step will write; returns block copies
-        ``(src, dst)`` to apply first. No block holding a draft token is sealed: until
-        ``accept_draft`` the sequence takes no other token and cannot be forked.
-
-        A verify step of a sequence of n tokens (the last one not yet computed, as for a
-        decode) and k drafts writes KV at ``slots(seq_id, n - 1, n + k)``: k + 1 positions."""
-        seq = self._get(seq_id)
-        if seq.pending:
-            raise ValueError(f"append_draft({seq_id!r}): its last token is still pending; a draft "
-                             "continues known tokens: call set_token first")
-        self._check_no_draft(seq_id, seq, "append_draft")
-        if isinstance(draft_token_ids, (str, bytes)) or not hasattr(draft_token_ids, "__len__"):
-            raise TypeError(f"append_draft: draft_token_ids must be a list of ints, got "
-                            f"{type(draft_token_ids).__name__}")
-        drafts = [_token_id(t, f"draft_token_ids[{i}]") for i, t in enumerate(draft_token_ids)]
-        need = self._blocks_to_append_draft(seq, len(drafts))
-        if need > self.num_free_blocks:
-            raise OutOfBlocks(f"append_draft({seq_id!r}, {len(drafts)} tokens)", need,
-                              self.num_free_blocks, self.num_blocks)
-        copies, table = [], seq.block_table
-        if drafts and seq.num_tokens & self._mask and self._ref[table[-1]] > 1:
-            new = self._take()  # shared partial block (after fork): copy before writing
-            self._ref[table[-1]] -= 1
-            copies.append((table[-1], new))
-            table[-1] = new
-        table.extend(self._take() for _ in range(need - len(copies)))
-        seq.num_tokens += len(drafts)
-        seq.num_draft = len(drafts)
-        if self.enable_prefix_caching:
-            seq.tail.extend(drafts)
-        return copies
-
-    def accept_draft(self, seq_id, num_accepted: int) -> None:
-        """Keep the first ``num_accepted`` draft tokens and roll the rest back: the sequence
-        shrinks, blocks past its new end are released, blocks the accepted tokens filled are
-        sealed (their KV was written by the verify step). Then append the target's own token."""
-        seq = self._get(seq_id)
-        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) or \
-                not 0 <= num_accepted <= seq.num_draft:
-            raise ValueError(f"accept_draft({seq_id!r}): num_accepted must be an int in "
-                             f"[0, {seq.num_draft}] (its draft tokens), got {num_accepted!r}")
-        committed = seq.num_tokens - seq.num_draft
-        seq.num_tokens = committed + num_accepted
-        rejected = seq.num_draft - num_accepted
-        seq.num_draft = 0
-        keep = -(-seq.num_tokens // self.block_size)
-        self._release(seq.block_table[keep:], uncache=False)
-        del seq.block_table[keep:]
-        if self.enable_prefix_caching:
-            del seq.tail[len(seq.tail) - rejected:]
-            i = committed // self.block_size  # the tail starts at this block
-            while len(seq.tail) >= self.block_size:
-                self._seal(seq, i)
-                i += 1
-
     # ------------------------------------------------------------------ internals
     def _release(self, blocks: list[int], uncache: bool) -> None:
         ref, prefix = self._ref, self._prefix
@@ -401,11 +280,6 @@ class BlockManager:
                 else:
                     prefix.forget(b)
                     self._free.append(b)
-
-    def _check_no_draft(self, seq_id, seq: _Sequence, op: str) -> None:
-        if seq.num_draft:
-            raise ValueError(f"{op}({seq_id!r}): {seq.num_draft} draft token(s) await "
-                             "verification; call accept_draft(seq_id, num_accepted) first")
 
     def _get(self, seq_id) -> _Sequence:
         seq = self._seqs.get(seq_id)
@@ -446,7 +320,7 @@ class BlockManager:
         """Confirmed cache hits for a prompt's leading full blocks, with every full block's hash
         and token bytes (needed to register the new ones). Bad token ids are refused here,
         with prefix caching on or off."""
-        buf = _token_bytes(token_ids)
+        buf = token_bytes(token_ids)
         if not self.enable_prefix_caching:
             return [], [], []
         bs8 = self.block_size * 8
@@ -474,12 +348,6 @@ class BlockManager:
         """Blocks left for new contents once the hits that were evictable are taken back."""
         revived = sum(1 for b in hits if self._ref[b] == 0)
         return self.num_free_blocks - revived
-
-    def _blocks_to_append_draft(self, seq: _Sequence, k: int) -> int:
-        if k == 0:
-            return 0
-        cow = 1 if seq.num_tokens & self._mask and self._ref[seq.block_table[-1]] > 1 else 0
-        return -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table) + cow
 
     def _blocks_to_append(self, seq: _Sequence) -> int:
         if seq.num_tokens & self._mask == 0:
