@@ -2,14 +2,10 @@
 
 For each step it
 1. applies the step's copy-on-write block copies to the KV cache;
-2. builds the step's metadata (token ids, positions, slot_mapping, cu_seqlens_q, seq_lens,
-   block_tables, logits_indices) into ONE int32 host buffer, pinned on a GPU, and copies it to
-   the device in one transfer on a copy stream (the compute stream waits on its event; with
-   async scheduling the copy runs while the previous step still computes, and input tokens
-   still PENDING on the host are gathered from that step's samples on the device);
+2. builds the step's metadata and copies it to the device as ONE int32 buffer in one transfer
+   (``labkit.engine.device_metadata``);
 3. runs the model with an attention function that, in every layer, first stores the step's
-   new K/V into their slots and then runs the selected backend's paged attention over the
-   cache: so a row reads its cached context and its own new tokens alike;
+   new K/V into their slots and then attends over the cache (``labkit.engine.step_attention``);
 4. returns the logits of the rows that sample (``logits_indices``), nothing else.
 
 ``cudagraph_mode`` says which steps replay CUDA Graphs (``labkit.engine.cudagraphs``: the four
@@ -23,7 +19,6 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -42,9 +37,11 @@ from labkit.engine.cudagraphs import (  # noqa: F401  (the runner's names for th
     resolve_cudagraph_mode,
 )
 from labkit.engine.compiled_pieces import CompiledPiecewise
+from labkit.engine.device_metadata import DeviceMetadata, decode_inputs, metadata_to_device
 from labkit.engine.model import LlamaModel
 from labkit.engine.pieces import PiecewiseForward
 from labkit.engine.request import ScheduledStep
+from labkit.engine.step_attention import StepAttention
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
 from labkit.graphs import DEFAULT_BUCKETS, GraphPool
 from labkit.graphs.buckets import check_buckets
@@ -81,31 +78,13 @@ def choose_backend(spec: AttentionSpec, backend: str = "auto") -> tuple[Backend,
 
 
 @dataclass(frozen=True)
-class DeviceMetadata:
-    """A step's metadata on the device: int32 views of one transferred buffer."""
-    input_ids: torch.Tensor       # [num_tokens]
-    positions: torch.Tensor       # [num_tokens]
-    slot_mapping: torch.Tensor    # [num_tokens]
-    cu_seqlens_q: torch.Tensor    # [num_rows + 1]
-    seq_lens: torch.Tensor        # [num_rows]
-    block_tables: torch.Tensor    # [num_rows, max_blocks]
-    logits_indices: torch.Tensor  # [num_sampled]
-
-
-def decode_inputs(md: DeviceMetadata) -> tuple[torch.Tensor, ...]:
-    """What a decode graph reads, each with the batch in dim 0 (cu_seqlens_q and
-    logits_indices of a decode batch are both 0..B, so the graph makes them itself)."""
-    return md.input_ids, md.positions, md.slot_mapping, md.block_tables, md.seq_lens
-
-
-@dataclass(frozen=True)
 class StepOutput:
     logits: torch.Tensor          # [num_sampled, vocab], rows in step order
     graph_batch: int | None       # the bucket a full decode graph replayed at, or None
     graph_tokens: int | None = None  # the token bucket piecewise graphs replayed at, or None
 
 
-class ModelRunner:
+class ModelRunner(StepAttention):
     def __init__(self, model: LlamaModel, *, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
@@ -262,99 +241,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ metadata
     def to_device(self, md: StepMetadata, prev_tokens: torch.Tensor | None = None
                   ) -> DeviceMetadata:
-        """One int32 buffer, one host-to-device copy on the copy stream; the compute stream
-        waits on its event (the host does not). Input tokens still PENDING on the host are
+        """One int32 buffer, one host-to-device copy, through this runner's pinned buffers
+        (``device_metadata.metadata_to_device``); input tokens still PENDING on the host are
         taken from ``prev_tokens``, the previous step's samples on the device."""
-        width = md.block_tables.shape[1]
-        parts = (md.input_ids, md.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
-                 md.block_tables, md.logits_indices, md.pending_dst, md.pending_src)
-        sizes = [len(p) for p in parts]
-        sizes[5] = md.block_tables.size
-        # numpy converts a list of ints in C: a mixed step's padded block tables alone are
-        # tens of thousands of them, which torch.tensor(list) takes a millisecond for.
-        flat = torch.from_numpy(np.concatenate(
-            [np.asarray(p, dtype=np.int32).reshape(-1) for p in parts]))
-        if self.staging is None:
-            buf = flat
-        else:
-            host = self.staging.stage(flat.shape, torch.int32)
-            host.copy_(flat)
-            buf = self.staging.submit().wait()
-        ids, pos, slots, cu, lens, tables, logits_idx, dst, src = buf.split(sizes)
-        if len(md.pending_dst):
-            if prev_tokens is None:
-                raise RuntimeError("this step reads tokens sampled by the previous one: pass "
-                                   "that step's device tokens (async scheduling)")
-            ids = ids.index_put((dst.long(),), prev_tokens[src.long()].to(ids.dtype))
-        return DeviceMetadata(ids, pos, slots, cu, lens, tables.view(len(md.seq_lens), width),
-                              logits_idx)
+        return metadata_to_device(md, self.staging, prev_tokens)
 
     # ------------------------------------------------------------------ forward
-    def _paged(self, md: DeviceMetadata, max_query_len: int, host: StepMetadata | None):
-        """(q, layer, out) -> attention of the step's rows over layer's cache. With labkit's
-        Triton kernel the launch is planned once for the step (tiles, grid, KV split: the same
-        in every layer) and each layer only launches; the runner built the metadata itself, so
-        no host sync checks it. Other backends are called as they are, per layer, given the
-        step's lengths from the host metadata (``host``; None in a captured decode graph) so that
-        no layer reads them back."""
-        cache = self.cache
-        if self.backend.name == "triton":
-            from labkit.kernels.paged_attention import plan_paged_attention
-            plan = plan_paged_attention(
-                cache.k_scale is not None, self.model.config.num_attention_heads,
-                cache.key_cache(0).shape, md.seq_lens.numel(),
-                md.block_tables.shape[1] * cache.block_size, max_query_len, self.device)
-            tables, cu, lens = md.block_tables, md.cu_seqlens_q, md.seq_lens
-
-            def run(q, layer, out):
-                return plan.run(q, cache.key_cache(layer), cache.value_cache(layer), tables, cu,
-                                lens, *cache.scales(layer), out=out)
-            return run
-        paged = self.backend.paged
-        lengths = {"host_lengths": (np.diff(host.cu_seqlens_q).tolist(), host.seq_lens)} \
-            if host is not None and self.backend.name in ("sdpa", "flex") else {}
-
-        def run(q, layer, out):
-            result = paged(q, cache.key_cache(layer), cache.value_cache(layer), md.block_tables,
-                           md.cu_seqlens_q, md.seq_lens, **lengths).to(q.dtype)
-            return result if out is None else out.copy_(result)
-        return run
-
-    def _attention(self, md: DeviceMetadata, max_query_len: int, *, store: bool = True,
-                   host: StepMetadata | None = None):
-        """The step's AttentionFn; ``store=False`` when the K/V were stored already (piecewise
-        graphs store them inside the pieces)."""
-        if self.mla:
-            return self._latent_attention(md, max_query_len)
-        cache, run = self.cache, self._paged(md, max_query_len, host)
-
-        def attention(layer, q, k, v, out=None):
-            # Every new token's K/V goes in before any row reads: a prefix hit admitted in this
-            # step may read blocks that another row of the same step is writing.
-            # The slots come from the block manager (in range by construction): no host sync
-            # to check them, which would also stall async scheduling's overlap.
-            if store:
-                cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel,
-                            check=False)
-            return run(q, layer, out)
-        return attention
-
-    def _latent_attention(self, md: DeviceMetadata, max_query_len: int):
-        """An MLA model's attention function: ``(layer, q, latent)`` with q [T, H, rank + rope]
-        (W_UK folded in) and the step's latent rows [T, 1, rank + rope]: the rows go into their
-        slots, then the backend's mla call attends over the layer's latent cache -> [T, H, rank].
-        Built from the runner's own metadata: no host sync, so a decode graph can capture it."""
-        cache, rank = self.cache, self.model.config.kv_lora_rank
-        mla, scale = self.backend.mla, self.model.attention_scale
-        tables, cu, lens, slots = md.block_tables, md.cu_seqlens_q, md.seq_lens, md.slot_mapping
-
-        def attention(layer, q, latent, v=None, out=None):
-            cache.write_latent(layer, latent[:, 0], slots, use_kernel=self.store_kernel,
-                               check=False)
-            return mla(q[..., :rank], q[..., rank:], cache.latent_cache(layer), tables, cu, lens,
-                       scale=scale, check=False, max_query_len=max_query_len)
-        return attention
-
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, bm: BlockManager,
                 prev_tokens: torch.Tensor | None = None) -> StepOutput:
