@@ -31,9 +31,14 @@ def test_the_concept_map_says_what_is_live_on_this_machine():
     cpu = tour.concept_map(torch.device("cpu")).set_index("concept")["on this machine"]
     assert cpu["Pinned vs pageable memory"].startswith("recorded")
     assert cpu["dynamic=True vs shape buckets"] == "live"
-    assert "not yet" in cpu["Speculative verification: several new tokens checked in one forward"]
+    assert cpu["Speculative verification: several new tokens checked in one forward"] == "live"
     gpu = tour.concept_map(torch.device("cuda")).set_index("concept")["on this machine"]
     assert gpu["Pinned vs pageable memory"] == "live"
+
+
+def test_a_concept_with_no_place_says_it_is_not_written_yet(monkeypatch):
+    monkeypatch.setattr(tour, "CONCEPTS", [("something new", (), False)])
+    assert tour.concept_map(torch.device("cpu"))["on this machine"].tolist() == ["not yet written"]
 
 
 def test_the_recorded_ceilings_hold_their_claims_against_the_datasheet(h200):

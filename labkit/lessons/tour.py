@@ -58,7 +58,8 @@ CONCEPTS = [
     ("Paging, continuous batching and prefix caching", ("05 §1", "05 §3", "05.2", "08 §1"), False),
     ("MLA: one shared latent per token, weight absorption",
      ("05 §1", "06 §3", "10 §1", "10 §2", "10 §5"), False),
-    ("Speculative verification: several new tokens checked in one forward", (), True),
+    ("Speculative verification: several new tokens checked in one forward",
+     ("11 §1", "11 §2", "11 §3", "11 §4"), False),
     ("Piecewise vs full CUDA graphs inside the engine", ("03 §3", "07 §4", "08 §1"), True),
 ]
 
@@ -95,6 +96,9 @@ SEQUENCE = [
     ("10_mla", "MLA's cache bytes, weight absorption, the latent-cache kernel on the roofline, "
      "the engine serving a DeepSeek-shaped model", "decode speed, graphed engine",
      "bytes, absorption, kernel and engine live, decode speed when recorded"),
+    ("11_speculative_decoding", "tokens per verify step against acceptance and k, what a "
+     "verify step costs, the speed-up against the formula, prompt lookup",
+     "memory-bound verify steps", "the tiny model live (host-bound steps)"),
 ]
 
 

@@ -1,0 +1,263 @@
+"""Notebook 11: speculative decoding, measured in labkit's engine.
+
+Three questions, each answered from this run:
+1. What does a draft of acceptance ``a`` buy per verify step? ``expected_table``: the formula
+   (1 - a^(k+1)) / (1 - a), checked against the controlled draft's measured tokens per forward.
+2. What does a verify step cost? ``step_costs``: the engine's (k + 1)-token verify steps against
+   its one-token decode steps at several batch sizes, in interleaved rounds.
+3. Does the speed-up follow? ``speedups``: output tokens/s with the controlled draft against
+   plain decoding, beside the formula divided by the measured relative step cost; and the n-gram
+   proposer's acceptance on a workload that repeats itself against one that does not
+   (``ngram_acceptance``).
+
+Timing reads the engine's own step records: a run's decode span runs from the first step without
+prefill to the end of the last step, so host time between steps counts, and the controlled
+draft's untimed reference run (``LLM._references``) does not.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+
+import pandas as pd
+import torch
+
+from labkit import check_positive_int
+from labkit.engine import LLM, SamplingParams, SpeculativeConfig
+from labkit.engine.speculative import expected_tokens_per_step
+from labkit.measure.rounds import Spread
+from labkit.teaching import claim
+
+
+def expected_table(accepts=(0.5, 0.7, 0.8, 0.9), ks=(1, 2, 4, 8)) -> pd.DataFrame:
+    """Mean tokens a verify step emits, per acceptance rate (rows) and draft length (columns)."""
+    return pd.DataFrame({f"k={k}": [expected_tokens_per_step(a, k) for a in accepts]
+                         for k in ks}, index=pd.Index(accepts, name="acceptance"))
+
+
+def _engine(model, k: int | None, acceptance: float = 1.0, method: str = "controlled",
+            **options) -> LLM:
+    """An engine with speculation of ``k`` drafts (None: plain decoding), prefix caching off so
+    a repeated prompt is computed again, warmed up by one short request."""
+    spec = None if k is None else SpeculativeConfig(method, num_speculative_tokens=k,
+                                                    acceptance=acceptance)
+    llm = LLM(model, speculative=spec, enable_prefix_caching=False, **options)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4))
+    return llm
+
+
+def decode_span(llm: LLM, prompts, max_tokens: int) -> dict:
+    """Generate greedily; the steps after the last prefill: their count, median step time, the
+    span's seconds and the tokens emitted in it."""
+    first = len(llm.step_history)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    steps = llm.step_history[first:]
+    last_prefill = max((i for i, s in enumerate(steps) if s.stats.num_prefill_tokens), default=-1)
+    decode = steps[last_prefill + 1:]
+    if not decode:
+        raise ValueError("the run had no decode step after its prefills: raise max_tokens")
+    emitted = sum(len(o.token_ids) for o in outs) - len(prompts)  # one token each from prefill
+    span = decode[-1].end_s - decode[0].start_s
+    return {"steps": len(decode), "step_ms": 1e3 * statistics.median(s.duration_s for s in decode),
+            "span_s": span, "tokens_per_s": emitted / span, "emitted": emitted,
+            "tokens": [o.token_ids for o in outs],
+            "proposed": sum(s.stats.num_spec_proposed for s in decode)}
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def step_costs(model, batches=(1, 8, 32), ks=(1, 2, 4, 8), prompt_len: int = 64,
+               max_tokens: int = 24, rounds: int = 3, **options) -> pd.DataFrame:
+    """Per batch size and k: the median verify step (k + 1 tokens per request, every draft
+    accepted, so every step verifies k) over the plain decode step of the same batch, per
+    round, as median and range over ``rounds`` interleaved rounds."""
+    check_positive_int("rounds", rounds)
+    vocab = model.config.vocab_size
+    engines = {k: _engine(model, k, max_num_seqs=max(batches), **options) for k in (None, *ks)}
+    cells = [(b, k) for b in batches for k in (None, *ks)]
+    per_round = {c: [] for c in cells}
+    for r in range(rounds):
+        for b, k in random.Random(r).sample(cells, len(cells)):
+            run = decode_span(engines[k], prompts_for(b, prompt_len, vocab, seed=r), max_tokens)
+            per_round[(b, k)].append(run["step_ms"])
+    rows = []
+    for b in batches:
+        plain = per_round[(b, None)]
+        for k in ks:
+            ratio = Spread.of([v / p for v, p in zip(per_round[(b, k)], plain)])
+            rows.append({"batch": b, "k": k, "decode_ms": statistics.median(plain),
+                         "verify_ms": statistics.median(per_round[(b, k)]),
+                         "relative_cost": ratio.median, "low": ratio.low, "high": ratio.high})
+    return pd.DataFrame(rows)
+
+
+def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_len: int = 64,
+             max_tokens: int = 96, rounds: int = 3, **options) -> pd.DataFrame:
+    """Output tokens/s with the controlled draft at each (acceptance, k) over plain decoding in
+    the same round, beside the prediction: the formula's tokens per step over the relative step
+    cost (verify step over decode step, both measured in the same runs)."""
+    vocab = model.config.vocab_size
+    cells = [(None, None)] + [(a, k) for a in accepts for k in ks]
+    engines = {(a, k): _engine(model, k, acceptance=1.0 if a is None else a,
+                               max_num_seqs=batch, **options) for a, k in cells}
+    runs = {c: [] for c in cells}
+    for r in range(rounds):
+        prompts = prompts_for(batch, prompt_len, vocab, seed=100 + r)
+        for cell in random.Random(r).sample(cells, len(cells)):
+            runs[cell].append(decode_span(engines[cell], prompts, max_tokens))
+    rows = []
+    plain = runs[(None, None)]
+    for a, k in cells[1:]:
+        speed = Spread.of([s["tokens_per_s"] / p["tokens_per_s"] for s, p in zip(runs[(a, k)],
+                                                                               plain)])
+        cost = Spread.of([s["step_ms"] / p["step_ms"] for s, p in zip(runs[(a, k)], plain)])
+        forwards = sum(s["steps"] for s in runs[(a, k)])
+        per_forward = sum(s["emitted"] for s in runs[(a, k)]) / forwards
+        expected = expected_tokens_per_step(a, k)
+        rows.append({"acceptance": a, "k": k, "tokens_per_forward": per_forward,
+                     "expected_tokens": expected, "relative_cost": cost.median,
+                     "predicted": expected / cost.median,
+                     "speedup": speed.median, "low": speed.low, "high": speed.high,
+                     "same_tokens": all(s["tokens"] == p["tokens"]
+                                        for s, p in zip(runs[(a, k)], plain))})
+    return pd.DataFrame(rows)
+
+
+def acceptance_check(model, accepts=(0.5, 0.8, 0.9), ks=(1, 2, 4), batch: int = 16,
+                     prompt_len: int = 16, max_tokens: int = 40, **options) -> pd.DataFrame:
+    """The controlled draft's emitted tokens per verify against (1 - a^(k+1)) / (1 - a), over
+    ``batch`` requests (hundreds of verifies per setting). Verifies near a request's end propose
+    fewer than k tokens, so only full-length ones count: a request's budget, not the draft,
+    would cut those short."""
+    vocab = model.config.vocab_size
+    prompts = prompts_for(batch, prompt_len, vocab, seed=3)
+    rows = []
+    for a in accepts:
+        for k in ks:
+            llm = _engine(model, k, acceptance=a, max_num_seqs=batch, **options)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
+            emitted = [n for o in outs for n in full_verifies(o, k, max_tokens)]
+            rows.append({"acceptance": a, "k": k, "verifies": len(emitted),
+                         "tokens_per_verify": sum(emitted) / len(emitted),
+                         "expected": expected_tokens_per_step(a, k)})
+    return pd.DataFrame(rows)
+
+
+def tokens_per_step(output) -> list[int]:
+    """How many tokens each step emitted for one request: a step's tokens share its time stamp
+    (``RequestOutput.token_times_s``); the first is the prefill's."""
+    counts: list[int] = []
+    last = None
+    for t in output.token_times_s:
+        if t == last:
+            counts[-1] += 1
+        else:
+            counts.append(1)
+            last = t
+    return counts
+
+
+def full_verifies(output, k: int, max_tokens: int) -> list[int]:
+    """Tokens emitted by each verify step of ``output`` that had room for all k drafts and the
+    target's token (``max_tokens`` minus the tokens already out is at least k + 1)."""
+    counts, out = tokens_per_step(output), []
+    done = counts[0] if counts else 0
+    for n in counts[1:]:
+        if max_tokens - done >= k + 1:
+            out.append(n)
+        done += n
+    return out
+
+
+def repeating_prompts(batch: int, vocab: int, passage_len: int = 24, seed: int = 0
+                      ) -> list[list[int]]:
+    """Prompts that quote a passage twice, so its continuation can be looked up in the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batch):
+        passage = torch.randint(1, vocab, (passage_len,), generator=g).tolist()
+        out.append(passage + passage + passage[: passage_len // 2])
+    return out
+
+
+def _spec_counts(llm: LLM) -> tuple[int, int, int]:
+    s = llm.stats
+    return s.num_spec_verifies, s.num_spec_proposed, s.num_spec_accepted
+
+
+def ngram_acceptance(model, k: int = 4, batch: int = 4, max_tokens: int = 24, **options
+                     ) -> pd.DataFrame:
+    """The n-gram proposer on prompts that repeat a passage and on plain random prompts: drafts
+    proposed and accepted, and whether the outputs equal a plain engine's. On random weights the
+    model does not continue a quoted passage, but it falls into loops of its own, which lookup
+    finds: what this shows is the mechanism, not acceptance on real text."""
+    vocab = model.config.vocab_size
+    rows = []
+    for name, prompts in (("repeating passage", repeating_prompts(batch, vocab)),
+                          ("plain random", prompts_for(batch, 60, vocab, seed=7))):
+        llm = _engine(model, k, method="ngram", max_num_seqs=batch, **options)
+        plain = _engine(model, None, max_num_seqs=batch, **options)
+        before = _spec_counts(llm)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
+        expected = plain.generate(prompts, SamplingParams(max_tokens=max_tokens))
+        verifies, proposed, accepted = (a - b for a, b in zip(_spec_counts(llm), before))
+        rows.append({"workload": name, "verifies": verifies, "proposed": proposed,
+                     "accepted": accepted,
+                     "acceptance": accepted / proposed if proposed else float("nan"),
+                     "tokens": sum(len(o.token_ids) for o in outs),
+                     "same_tokens": [o.token_ids for o in outs] == [o.token_ids
+                                                                    for o in expected]})
+    return pd.DataFrame(rows).set_index("workload")
+
+
+# --- claims ------------------------------------------------------------------------------------
+
+def formula_claim(check: pd.DataFrame):
+    """The controlled draft's tokens per full verify against (1 - a^(k+1)) / (1 - a)."""
+    off = (check.tokens_per_verify / check.expected - 1).abs()
+    worst = check.loc[off.idxmax()]
+    return claim("Over {n} (acceptance, k) settings and {v} verify steps, the controlled draft "
+                 "emitted within {off:.0%} of the tokens per step that (1 - a^(k+1)) / (1 - a) "
+                 "predicts (worst: a = {a}, k = {k}: {got:.2f} against {want:.2f}).",
+                 off.max() < 0.1, n=len(check), v=int(check.verifies.sum()), off=off.max(),
+                 a=worst.acceptance, k=int(worst.k), got=worst.tokens_per_verify,
+                 want=worst.expected)
+
+
+def cost_claim(costs: pd.DataFrame, where: str):
+    """Verify steps cost little more than decode steps when the step is not compute-bound."""
+    k4 = costs[costs.k == 4]
+    worst = k4.loc[k4.high.idxmax()]
+    return claim("A verify step of k = 4 (5 tokens per request) cost {lo:.2f}-{hi:.2f}x a "
+                 "one-token decode step at batch {b} {where}, the worst batch size over the "
+                 "rounds: far less than the 5x its tokens would cost if a step's time grew with "
+                 "its tokens.", worst.high < 2.5, lo=worst.low, hi=worst.high,
+                 b=int(worst.batch), where=where)
+
+
+def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str) -> list:
+    best = speed.loc[speed.speedup.idxmax()]
+    off = ((speed.speedup / speed.predicted) - 1).abs()
+    return [
+        claim("With the controlled draft at acceptance {a} and k = {k}, batch-1 output tokens/s "
+              "were {lo:.2f}-{hi:.2f}x plain decoding {where} (the upper bound for a draft of "
+              "that acceptance: this draft costs nothing).", best.low > 1, a=best.acceptance,
+              k=int(best.k), lo=best.low, hi=best.high, where=where),
+        claim("Every measured speed-up is within {tol:.0%} of expected tokens per step over the "
+              "measured relative step cost (largest gap {off:.0%}).", off.max() <= tolerance,
+              tol=tolerance, off=off.max()),
+        claim("Greedy outputs with speculation equal plain decoding's in all {n} settings.",
+              bool(speed.same_tokens.all()), n=len(speed)),
+    ]
+
+
+def ngram_claim(table: pd.DataFrame):
+    """Lookup proposes on both workloads and never changes a greedy output."""
+    return claim("Prompt lookup proposed {p} draft tokens over {v} verify steps on the two "
+                 "workloads, the target accepted {a:.0%} of them, and every greedy output equals "
+                 "plain decoding's.", bool(table.same_tokens.all()) and table.proposed.sum() > 0,
+                 p=int(table.proposed.sum()), v=int(table.verifies.sum()),
+                 a=table.accepted.sum() / max(table.proposed.sum(), 1))

@@ -1,0 +1,85 @@
+"""Notebook 11's lesson code (labkit/lessons/speculative_decoding.py) on the tiny model: what it times is
+what it says (decode spans, full-length verifies), its tables agree with the engine's own
+statistics, and its claims fall on the right side of made-up figures."""
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from labkit.engine import ModelConfig, random_model
+from labkit.engine.speculative import expected_tokens_per_step
+from labkit.lessons import speculative_decoding as sp
+from labkit.teaching import reset_claims
+
+
+@pytest.fixture(autouse=True)
+def fresh_claims():
+    reset_claims()
+    yield
+    reset_claims()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(ModelConfig.tiny(), seed=0)
+
+
+def test_expected_table_is_the_geometric_sum():
+    t = sp.expected_table(accepts=(0.5, 1.0), ks=(1, 4))
+    assert t.loc[0.5, "k=1"] == 1.5 and t.loc[0.5, "k=4"] == pytest.approx(1.9375)
+    assert t.loc[1.0, "k=4"] == 5
+
+
+def test_tokens_per_step_groups_tokens_by_their_steps_time_stamp():
+    out = SimpleNamespace(token_times_s=[0.1, 0.2, 0.2, 0.2, 0.3, 0.4, 0.4])
+    assert sp.tokens_per_step(out) == [1, 3, 1, 2]
+    # max_tokens 7, k 2: after 1 token room for 3 (counted), after 4 for 3 (counted), after 5
+    # only 2: that verify could not propose all k, so it is left out
+    assert sp.full_verifies(out, 2, 7) == [3, 1]
+
+
+def test_decode_span_counts_the_tokens_after_prefill(model):
+    llm = sp._engine(model, 2, acceptance=1.0, max_num_seqs=4, device="cpu")
+    run = sp.decode_span(llm, sp.prompts_for(2, 8, 256), max_tokens=13)
+    assert run["emitted"] == 2 * 12, "13 tokens each, the first from the prefill step"
+    assert run["steps"] == 4, "12 tokens at 3 a verify step (every draft accepted)"
+    assert run["proposed"] == 2 * 4 * 2
+    assert run["tokens_per_s"] == pytest.approx(run["emitted"] / run["span_s"])
+
+
+def test_the_controlled_draft_matches_the_formula_on_full_verifies(model):
+    check = sp.acceptance_check(model, accepts=(0.5, 0.9), ks=(2,), device="cpu")
+    assert (check.verifies > 200).all()
+    assert ((check.tokens_per_verify / check.expected - 1).abs() < 0.1).all()
+    assert sp.formula_claim(check).held
+
+
+def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
+    costs = sp.step_costs(model, batches=(1, 4), ks=(1, 4), max_tokens=12, rounds=2,
+                          device="cpu")
+    assert list(zip(costs.batch, costs.k)) == [(1, 1), (1, 4), (4, 1), (4, 4)]
+    assert (costs.low <= costs.relative_cost).all() and (costs.relative_cost <= costs.high).all()
+    speed = sp.speedups(model, accepts=(1.0,), ks=(4,), max_tokens=24, rounds=2, device="cpu")
+    assert speed.same_tokens.all() and speed.tokens_per_forward.iloc[0] > 4
+    assert speed.predicted.iloc[0] == pytest.approx(
+        expected_tokens_per_step(1.0, 4) / speed.relative_cost.iloc[0])
+
+
+def test_ngram_lookup_proposes_and_leaves_outputs_unchanged(model):
+    table = sp.ngram_acceptance(model, k=3, batch=2, max_tokens=16, device="cpu")
+    assert table.same_tokens.all() and (table.accepted <= table.proposed).all()
+    assert sp.ngram_claim(table).held
+    assert not sp.ngram_claim(table.assign(same_tokens=[True, False])).held
+
+
+def test_claims_fail_on_figures_that_contradict_them():
+    check = pd.DataFrame({"acceptance": [0.8], "k": [2], "verifies": [100],
+                          "tokens_per_verify": [2.0], "expected": [2.44]})
+    assert not sp.formula_claim(check).held  # 18% short of the formula
+    costs = pd.DataFrame({"batch": [1, 8], "k": [4, 4], "relative_cost": [1.1, 2.4],
+                          "low": [1.0, 2.3], "high": [1.2, 2.6]})
+    assert not sp.cost_claim(costs, "here").held  # a range reaching 2.6x at batch 8
+    speed = pd.DataFrame({"acceptance": [0.8], "k": [4], "speedup": [2.0], "low": [1.9],
+                          "high": [2.1], "predicted": [2.6], "same_tokens": [True]})
+    held = [c.held for c in sp.speedup_claims(speed, 0.15, "here")]
+    assert held == [True, False, True], "2.0 against a predicted 2.6 is 23% off"
