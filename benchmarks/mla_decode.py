@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit.device import describe, fingerprint, free_memory
-from labkit.lessons.mla import (BLOCK, RANK, ROPE, SCALE, gqa_decode, latent_decode, rate,
+from labkit.lessons.mla import (RANK, ROPE, SCALE, decode_inputs, gqa_decode, latent_decode, rate,
                                 roofs, timed)
 
 DEV = "cuda"
@@ -95,11 +94,6 @@ def record() -> dict:
     return run()
 
 
-def _table(batch: int, ctx: int, g: torch.Generator) -> torch.Tensor:
-    per_seq = math.ceil(ctx / BLOCK)
-    return torch.randperm(batch * per_seq, generator=g).reshape(batch, per_seq).int().to(DEV)
-
-
 def sweep(out_dir: Path | None = None) -> list[dict]:
     """Tile settings against each target case, one plan per setting built from ``plan_mla``'s
     (heads per program, keys per tile, warps, stages, KV splits), each replayed from a graph:
@@ -113,14 +107,7 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
     from labkit.measure.bench import measure
     rows = []
     for batch, heads, ctx in ((64, 16, 4096), (64, 128, 4096), (1, 16, 32768), (1, 128, 32768)):
-        g = torch.Generator(device="cpu").manual_seed(0)
-        table = _table(batch, ctx, g)
-        cache = torch.randn(table.numel(), BLOCK, RANK + ROPE, device=DEV, dtype=torch.bfloat16)
-        ql = torch.randn(batch, heads, RANK, device=DEV, dtype=torch.bfloat16)
-        qr = torch.randn(batch, heads, ROPE, device=DEV, dtype=torch.bfloat16)
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-        out = torch.empty_like(ql)
+        ql, qr, cache, table, cu, lens, out = decode_inputs(batch, heads, ctx, device=DEV)
         nbytes = batch * ctx * (RANK + ROPE) * 2
         base = plan_mla(heads, RANK, cache.shape, batch, ctx, 1, DEV, scale=SCALE)
         splits = (1, 2, 4) if batch > 1 else (16, 32, 64)

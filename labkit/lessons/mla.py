@@ -203,11 +203,10 @@ def replayed(fn):
     return replay
 
 
-def latent_decode(batch: int, heads: int, ctx: int, num_splits: int | None = None, seed=0,
-                  device="cuda"):
-    """(a replay of one paged_mla_attention decode call at DeepSeek-V3's widths, the bytes of
-    latent cache it reads): bf16, blocks of 64 scattered over the cache."""
-    from labkit.attention import paged_mla_attention
+def decode_inputs(batch: int, heads: int, ctx: int, seed=0, device="cuda") -> tuple:
+    """One decode step's tensors at DeepSeek-V3's widths, bf16: (q_latent, q_rope, latent_cache,
+    block_tables, cu_seqlens_q, seq_lens, out), every sequence ``ctx`` tokens long over blocks of
+    64 scattered across the cache."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     per_seq = math.ceil(ctx / BLOCK)
     table = torch.randperm(batch * per_seq, generator=g).reshape(batch, per_seq).int().to(device)
@@ -216,10 +215,17 @@ def latent_decode(batch: int, heads: int, ctx: int, num_splits: int | None = Non
     q_rope = torch.randn(batch, heads, ROPE, device=device, dtype=torch.bfloat16)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    out = torch.empty_like(q_latent)
-    call = lambda: paged_mla_attention(q_latent, q_rope, cache, table, cu, lens, scale=SCALE,
-                                       check=False, max_query_len=1, num_splits=num_splits,
-                                       out=out)
+    return q_latent, q_rope, cache, table, cu, lens, torch.empty_like(q_latent)
+
+
+def latent_decode(batch: int, heads: int, ctx: int, num_splits: int | None = None, seed=0,
+                  device="cuda"):
+    """(a replay of one paged_mla_attention decode call on ``decode_inputs``, the bytes of
+    latent cache it reads)."""
+    from labkit.attention import paged_mla_attention
+    *args, out = decode_inputs(batch, heads, ctx, seed, device)
+    call = lambda: paged_mla_attention(*args, scale=SCALE, check=False, max_query_len=1,
+                                       num_splits=num_splits, out=out)
     return replayed(call), batch * ctx * (RANK + ROPE) * 2
 
 
