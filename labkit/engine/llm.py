@@ -5,12 +5,10 @@
     outs[0].token_ids, outs[0].ttft_s, outs[0].tpot_s
 
 Every request of a ``generate`` call arrives at once; ``add_request`` + ``step`` feed requests
-in over time. The plain loop is schedule -> run -> sample -> read tokens -> update. With async
-scheduling (the default on a GPU) the host schedules step N+1, copies its metadata on the copy
-stream and queues its kernels while the device is still computing step N, and only then reads
-step N's tokens: the device never waits for Python between steps. Times come from one clock:
-a token exists when the host has read it. TTFT is from arrival to the first token, TPOT the mean
-gap between the following ones.
+in over time. Each ``step`` runs the engine's loop, plain or with async scheduling (the default
+on a GPU: the host schedules step N+1 while the device computes step N): see
+``labkit.engine.step_loop``. Times come from one clock: a token exists when the host has read
+it. TTFT is from arrival to the first token, TPOT the mean gap between the following ones.
 
 Every optimisation can be switched off for a comparison: ``cudagraph_mode`` (which steps
 replay graphs: "none", "full_decode_only", "piecewise", "full_and_piecewise"; ``enforce_eager``
@@ -22,7 +20,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,38 +33,16 @@ from labkit.engine.inputs import check_params, params_for, prompt_list, token_id
 from labkit.engine.mla import MLAModel
 from labkit.engine.model import LlamaModel
 from labkit.engine.outputs import FINISH_REASONS, EngineStats, RequestOutput, StepRecord
-from labkit.engine.request import Request, ScheduledStep
 from labkit.engine.runner import ModelRunner, resolve_cudagraph_mode
 from labkit.engine.sampling import SamplingParams, request_generator
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
-from labkit.engine.speculative import SpeculativeConfig, sample_with_drafts
+from labkit.engine.speculative import SpeculativeConfig
+from labkit.engine.step_loop import LaunchedStep, LiveRequest, StepLoop
 from labkit.engine.weights import load_model, random_model
 from labkit.kvcache import BlockManager
-from labkit.overlap import InFlightCopy, start_copy_to_host
-
-@dataclass
-class _Live:
-    request_id: int
-    request: Request
-    params: SamplingParams
-    generator: torch.Generator | None
-    arrival_s: float
-    token_times_s: list[float] = field(default_factory=list)
 
 
-@dataclass
-class _Launched:
-    """A step on the device: its samples (device tensor) and their copy to the host."""
-    step: ScheduledStep
-    rows: list[_Live]            # the rows that sample, in order
-    tokens: torch.Tensor         # int64 [num_sampled] on the device
-    host: InFlightCopy | None    # the non-blocking device-to-host copy (None on CPU)
-    graph_batch: int | None
-    start_s: float
-    graph_tokens: int | None = None
-
-
-class LLM:
+class LLM(StepLoop):
     """``model``: a checkpoint folder (config.json + safetensors), a ModelConfig (random
     weights from ``seed``) or a LlamaModel. The KV cache holds ``num_blocks`` blocks of
     ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold (default: every running
@@ -166,9 +142,9 @@ class LLM:
         self.step_history: list[StepRecord] = []
         self._seeds = random.Random(seed)  # per-request seeds where SamplingParams has none
         self._next_id = 0
-        self._live: dict[int, _Live] = {}
+        self._live: dict[int, LiveRequest] = {}
         self._finished: dict[int, RequestOutput] = {}   # refused at add_request, not yet returned
-        self._launched: _Launched | None = None         # async: the step on the device
+        self._launched: LaunchedStep | None = None      # async: the step on the device
         self._token_buffers = None
         if self.device.type == "cuda":  # two pinned buffers: step N's and step N+1's samples
             self._token_buffers = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True)
@@ -306,90 +282,13 @@ class LLM:
             return rid
         seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
         generator = None if p.greedy else request_generator(seed, self.device)
-        self._live[rid] = _Live(rid, req, p, generator, arrival)
+        self._live[rid] = LiveRequest(rid, req, p, generator, arrival)
         return rid
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._launched is not None
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs of the requests that finished in it (and of
-        requests refused by ``add_request`` since the last call).
-
-        Plain loop: schedule, run, sample, read the tokens, update. Async scheduling: schedule
-        and launch step N+1, then read step N's tokens (the GPU already has N+1 queued) and
-        update N; so the host's scheduling and metadata copy overlap the device's compute.
-        """
-        finished = [self._finished.pop(rid) for rid in list(self._finished)]
-        launched = None
-        if self.scheduler.has_unfinished_requests():
-            step = self.scheduler.schedule()
-            if step.rows:
-                launched = self._launch(step, self._launched)
-            elif self._launched is None:
-                raise RuntimeError(
-                    f"step {step.step_id} scheduled nothing while requests wait: "
-                    f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} "
-                    "running (a scheduler bug)")
-        if not self.async_scheduling and launched is not None:
-            finished += self._complete(launched)
-            return finished
-        if self._launched is not None:
-            prev, self._launched = self._launched, launched
-            finished += self._complete(prev)
-        else:
-            self._launched = launched
-        return finished
-
-    def _launch(self, step: ScheduledStep, prev: _Launched | None) -> _Launched:
-        start = self._now(sync=not self.async_scheduling)
-        rows = [self._live[r.request_id] for r in step.rows if r.needs_logits]
-        every = [self._live[r.request_id] for r in step.rows]
-        try:
-            out = self.runner.execute(step, self.block_manager,
-                                      None if prev is None else prev.tokens)
-            # a verify row has a row of logits per position it checks: argmaxes for a greedy
-            # request, the rejection rule's outcome for a sampled one
-            tokens = sample_with_drafts(out.logits, step.rows, [e.params for e in every],
-                                        [e.generator for e in every])
-        except BaseException:
-            self.scheduler.abort_step(step)
-            raise
-        host = None
-        if self.device.type == "cuda":
-            buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
-            host = start_copy_to_host(tokens, buf[:tokens.numel()])
-        return _Launched(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens)
-
-    def _complete(self, done: _Launched) -> list[RequestOutput]:
-        sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
-        end = self._now(sync=not self.async_scheduling)
-        kept = [not e.request.finished for e in done.rows]  # a stop in the step before drops it
-        before = [len(e.request.output_token_ids) - 1 for e in done.rows]  # less its PENDING
-        finished = self.scheduler.update(done.step, sampled)
-        for entry, keep, n in zip(done.rows, kept, before):
-            if keep:  # a verify row may emit several tokens at once
-                new = len(entry.request.output_token_ids) - n
-                entry.token_times_s += [end - entry.arrival_s] * new
-        self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
-                                            end, done.graph_tokens))
-        return [self._output(self._live.pop(r.request_id)) for r in finished]
-
-    def _abort_all(self) -> None:
-        """After a failed step: finish what is in flight if it can, drop every request."""
-        if self._launched is not None:
-            launched, self._launched = self._launched, None
-            try:
-                self._complete(launched)
-            except BaseException:  # noqa: BLE001 (the step failed too: undo it instead)
-                self.scheduler.abort_step(launched.step)
-        for rid in list(self._live):
-            if not self._live[rid].request.finished:
-                self.scheduler.abort_request(rid)
-        self._live.clear()
-        self._finished.clear()
-
-    def _output(self, entry: _Live) -> RequestOutput:
+    def _output(self, entry: LiveRequest) -> RequestOutput:
         req, times = entry.request, entry.token_times_s
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         text = None

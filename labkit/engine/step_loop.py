@@ -1,0 +1,129 @@
+"""The engine's loop: what ``LLM.step`` does, plain or with async scheduling.
+
+The plain loop is schedule -> run -> sample -> read tokens -> update. With async scheduling (the
+default on a GPU) the host schedules step N+1, copies its metadata on the copy stream and queues
+its kernels while the device is still computing step N, and only then reads step N's tokens:
+the device never waits for Python between steps. Each step's samples go to the host in a
+non-blocking copy into one of two pinned buffers (step N's and step N+1's), and a token's time
+is taken when the host has read it.
+
+A step that fails is undone (``Scheduler.abort_step``) before the error propagates; then
+``generate`` drops its requests (``_abort_all``).
+
+:class:`StepLoop` holds these methods; ``LLM`` inherits them, so they drive its scheduler,
+runner and requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from labkit.engine.outputs import RequestOutput, StepRecord
+from labkit.engine.request import Request, ScheduledStep
+from labkit.engine.sampling import SamplingParams
+from labkit.engine.speculative import sample_with_drafts
+from labkit.overlap import InFlightCopy, start_copy_to_host
+
+
+@dataclass
+class LiveRequest:
+    request_id: int
+    request: Request
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival_s: float
+    token_times_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedStep:
+    """A step on the device: its samples (device tensor) and their copy to the host."""
+    step: ScheduledStep
+    rows: list[LiveRequest]      # the rows that sample, in order
+    tokens: torch.Tensor         # int64 [num_sampled] on the device
+    host: InFlightCopy | None    # the non-blocking device-to-host copy (None on CPU)
+    graph_batch: int | None
+    start_s: float
+    graph_tokens: int | None = None
+
+
+class StepLoop:
+    """``LLM``'s step loop (see the module docstring)."""
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the requests that finished in it (and of
+        requests refused by ``add_request`` since the last call).
+
+        Plain loop: schedule, run, sample, read the tokens, update. Async scheduling: schedule
+        and launch step N+1, then read step N's tokens (the GPU already has N+1 queued) and
+        update N; so the host's scheduling and metadata copy overlap the device's compute.
+        """
+        finished = [self._finished.pop(rid) for rid in list(self._finished)]
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            step = self.scheduler.schedule()
+            if step.rows:
+                launched = self._launch(step, self._launched)
+            elif self._launched is None:
+                raise RuntimeError(
+                    f"step {step.step_id} scheduled nothing while requests wait: "
+                    f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} "
+                    "running (a scheduler bug)")
+        if not self.async_scheduling and launched is not None:
+            finished += self._complete(launched)
+            return finished
+        if self._launched is not None:
+            prev, self._launched = self._launched, launched
+            finished += self._complete(prev)
+        else:
+            self._launched = launched
+        return finished
+
+    def _launch(self, step: ScheduledStep, prev: LaunchedStep | None) -> LaunchedStep:
+        start = self._now(sync=not self.async_scheduling)
+        rows = [self._live[r.request_id] for r in step.rows if r.needs_logits]
+        every = [self._live[r.request_id] for r in step.rows]
+        try:
+            out = self.runner.execute(step, self.block_manager,
+                                      None if prev is None else prev.tokens)
+            # a verify row has a row of logits per position it checks: argmaxes for a greedy
+            # request, the rejection rule's outcome for a sampled one
+            tokens = sample_with_drafts(out.logits, step.rows, [e.params for e in every],
+                                        [e.generator for e in every])
+        except BaseException:
+            self.scheduler.abort_step(step)
+            raise
+        host = None
+        if self.device.type == "cuda":
+            buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
+            host = start_copy_to_host(tokens, buf[:tokens.numel()])
+        return LaunchedStep(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens)
+
+    def _complete(self, done: LaunchedStep) -> list[RequestOutput]:
+        sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
+        end = self._now(sync=not self.async_scheduling)
+        kept = [not e.request.finished for e in done.rows]  # a stop in the step before drops it
+        before = [len(e.request.output_token_ids) - 1 for e in done.rows]  # less its PENDING
+        finished = self.scheduler.update(done.step, sampled)
+        for entry, keep, n in zip(done.rows, kept, before):
+            if keep:  # a verify row may emit several tokens at once
+                new = len(entry.request.output_token_ids) - n
+                entry.token_times_s += [end - entry.arrival_s] * new
+        self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
+                                            end, done.graph_tokens))
+        return [self._output(self._live.pop(r.request_id)) for r in finished]
+
+    def _abort_all(self) -> None:
+        """After a failed step: finish what is in flight if it can, drop every request."""
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            try:
+                self._complete(launched)
+            except BaseException:  # noqa: BLE001 (the step failed too: undo it instead)
+                self.scheduler.abort_step(launched.step)
+        for rid in list(self._live):
+            if not self._live[rid].request.finished:
+                self.scheduler.abort_request(rid)
+        self._live.clear()
+        self._finished.clear()
