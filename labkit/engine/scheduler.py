@@ -17,7 +17,8 @@ When a running request needs a block and none is left, the newest running reques
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
 recomputed (prompt and output so far) when there is room; its full blocks usually stay cached.
 
-Driven by ``step = schedule()``, the runner computes the step, then ``update(step, sampled)``.
+Driven by ``step = schedule()``, the runner computes the step, then ``update(step, sampled)``
+(``labkit.engine.step_results``: the tokens placed, requests finished, failed steps undone).
 
 Async scheduling (``async_scheduling=True``): the next step may be scheduled while one is still
 in flight, so the CPU plans step N+1 while the GPU computes step N. A token that step N samples
@@ -31,9 +32,7 @@ Speculative decoding (``SchedulerConfig.speculative``: n-gram proposals, or cont
 from ``Request.reference``): a decode row also carries up to k draft tokens after its last
 sampled token, and the target checks them all in that one row (a (k + 1)-token query, causal
 within it). The block manager gives the drafts slots without sealing them (``append_draft``);
-``update`` keeps the longest prefix of drafts matching the target's choices plus the target's
-own next token, and rolls the rest back (``accept_draft``). For a sampled request the LLM turns
-the rejection rule's outcome into such choices (``speculative.sample_with_drafts``).
+``update`` keeps the ones the target agrees with and rolls the rest back (``accept_draft``).
 Drafts never preempt anyone: without room, or budget, a row verifies fewer or none.
 """
 from __future__ import annotations
@@ -47,7 +46,8 @@ from labkit import check_positive_int
 from labkit.engine.config import SchedulerConfig
 from labkit.engine.request import (PENDING, Request, ScheduledSeq, ScheduledStep, Status,
                                    StepStats)
-from labkit.engine.speculative import SpecDecodeStats, make_proposer, propose_drafts, verify_row
+from labkit.engine.speculative import SpecDecodeStats, make_proposer, propose_drafts
+from labkit.engine.step_results import StepResults
 from labkit.graphs import bucket_for
 from labkit.kvcache.block_manager import BlockManager
 
@@ -73,7 +73,7 @@ class _Plan:
     hit_tokens: int = 0
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
@@ -322,105 +322,3 @@ class Scheduler:
                          sum(r.num_tokens for r in decode), len(prefill), len(decode), padded,
                          hit_tokens, num_preempted, len(self.running), len(self.waiting),
                          sum(r.num_draft for r in decode))
-
-    # ------------------------------------------------------------------ results
-    def update(self, step: ScheduledStep, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """Fill in the tokens ``step`` sampled, ``row.num_logits`` per row (in row order: one,
-        or for a verify row the target's choice at each checked position), and finish requests
-        that stop. Steps are updated in the order they were scheduled. Returns the requests
-        that finished."""
-        if not step.rows:
-            return []
-        if not self._in_flight or step is not self._in_flight[0]:
-            expected = self._in_flight[0].step_id if self._in_flight else None
-            raise RuntimeError(f"update() got step {step.step_id}, but the oldest step in "
-                               f"flight is {expected}: update steps in the order scheduled")
-        if hasattr(sampled_token_ids, "tolist"):  # a tensor: one transfer, not one per token
-            sampled_token_ids = sampled_token_ids.tolist()
-        sampled = [index(t) for t in sampled_token_ids]
-        if len(sampled) != step.num_sampled:
-            raise ValueError(f"step {step.step_id} samples {step.num_sampled} token(s), one per "
-                             f"row with needs_logits; got {len(sampled)}")
-        self._in_flight.popleft()
-        finished = []
-        tokens = iter(sampled)
-        for row in (r for r in step.rows if r.needs_logits):
-            req, chosen = row.request, [next(tokens) for _ in range(row.num_logits)]
-            if req.finished:
-                continue  # stopped in the step before; this row ran on a token it never kept
-            position = row.sample_position  # where the (first) sampled token goes
-            emitted = verify_row(self.bm, row, chosen, self.spec_stats) if row.num_draft \
-                else chosen
-            slot = position - len(req.prompt_token_ids)
-            assert req.output_token_ids[slot] == PENDING, (req.request_id, slot)
-            req.output_token_ids[slot:slot + 1] = emitted
-            req.token_steps[slot + 1:slot + 1] = [step.step_id] * (len(emitted) - 1)
-            rid = req.request_id
-            if not row.num_draft and rid in self.bm and self.bm.has_pending(rid) and \
-                    self.bm.num_tokens(rid) == position + 1:  # the next step reserved its slot
-                self.bm.set_token(rid, emitted[0])
-            status = self._stop(req, slot, len(emitted))
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
-        return finished
-
-    def _stop(self, req: Request, first: int, count: int) -> Status | None:
-        """Whether one of the ``count`` tokens just placed at output slot ``first`` ends
-        ``req``; if so, the output is cut after it (a row scheduled after it, or a verified
-        token past it, keeps nothing)."""
-        for slot in range(first, first + count):
-            position = len(req.prompt_token_ids) + slot
-            if req.output_token_ids[slot] in req.eos_token_ids:
-                status = Status.FINISHED_STOPPED
-            elif slot + 1 >= req.max_tokens or position + 1 >= self.config.max_model_len:
-                status = Status.FINISHED_LENGTH
-            else:
-                continue
-            del req.output_token_ids[slot + 1:]
-            del req.token_steps[slot + 1:]
-            return status
-        return None
-
-    def abort_step(self, step: ScheduledStep) -> None:
-        """Undo a step that failed before its KV was written (the runner raised): its requests
-        go back to the waiting queue as if preempted, the tokens it was to sample are dropped,
-        and blocks only they held leave the prefix cache (they hold no KV). Steps after it must
-        be aborted first; steps before it can still be updated."""
-        if not self._in_flight or step is not self._in_flight[-1]:
-            raise RuntimeError(f"abort_step({step.step_id}): only the newest step in flight can "
-                               "be aborted")
-        self._in_flight.pop()
-        for row in step.rows:
-            req = row.request
-            if row.needs_logits:
-                slot = row.sample_position - len(req.prompt_token_ids)
-                del req.output_token_ids[slot:]
-                del req.token_steps[slot:]
-            if req.status is Status.RUNNING:
-                self._preempt(req, uncache=True)
-                req.num_preemptions -= 1  # not the scheduler's choice: no preemption counted
-
-    def abort_request(self, request_id: Hashable) -> Request:
-        """Drop a request that is waiting or running (and in no step in flight), freeing its
-        blocks; it finishes with ``Status.FINISHED_ERROR``."""
-        req = self._live.get(request_id)
-        if req is None:
-            raise ValueError(f"abort_request: {request_id!r} is not waiting or running")
-        if any(r.request is req for s in self._in_flight for r in s.rows):
-            raise RuntimeError(f"abort_request({request_id!r}): it is in a step in flight; update "
-                               "or abort that step first")
-        if PENDING in req.output_token_ids:
-            del req.output_token_ids[req.output_token_ids.index(PENDING):]
-        self._finish(req, Status.FINISHED_ERROR)
-        req.error = req.error or "aborted"
-        return req
-
-    def _finish(self, req: Request, status: Status) -> None:
-        if req in self.running:
-            self.bm.free(req.request_id)
-            self.running.remove(req)
-        elif req in self.waiting:  # preempted while its last token was in flight
-            self.waiting.remove(req)
-        del self._live[req.request_id]
-        req.status = status
