@@ -28,6 +28,8 @@ from labkit.engine.speculative import expected_tokens_per_step
 from labkit.measure.rounds import Spread
 from labkit.teaching import claim
 
+MAX_MODEL_LEN = 256  # tokens: every prompt here plus its output fits
+
 
 def expected_table(accepts=(0.5, 0.7, 0.8, 0.9), ks=(1, 2, 4, 8)) -> pd.DataFrame:
     """Mean tokens a verify step emits, per acceptance rate (rows) and draft length (columns)."""
@@ -38,10 +40,14 @@ def expected_table(accepts=(0.5, 0.7, 0.8, 0.9), ks=(1, 2, 4, 8)) -> pd.DataFram
 def _engine(model, k: int | None, acceptance: float = 1.0, method: str = "controlled",
             **options) -> LLM:
     """An engine with speculation of ``k`` drafts (None: plain decoding), prefix caching off so
-    a repeated prompt is computed again, warmed up by one short request."""
+    a repeated prompt is computed again, warmed up by one short request. ``max_model_len``
+    defaults to 256, the longest request here, so that several engines' KV caches and graphs
+    fit side by side on a GPU (each would otherwise size its cache for the model's full
+    context)."""
     spec = None if k is None else SpeculativeConfig(method, num_speculative_tokens=k,
                                                     acceptance=acceptance)
-    llm = LLM(model, speculative=spec, enable_prefix_caching=False, **options)
+    llm = LLM(model, speculative=spec, enable_prefix_caching=False,
+              **{"max_model_len": MAX_MODEL_LEN, **options})
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4))
     return llm
 
