@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from labkit.engine import LLM, ModelConfig, SamplingParams, SpeculativeConfig
+from labkit.engine import LLM, ModelConfig, SamplingParams, SpeculativeConfig, random_model
 from labkit.engine.config import SchedulerConfig
 from labkit.engine.sampling import sampling_probs
 from labkit.engine.speculative import expected_tokens_per_step
@@ -217,7 +217,8 @@ def test_a_verify_step_is_not_a_decode_only_step_and_counts_its_drafts():
 
 
 @pytest.mark.parametrize("kw,error,words", [
-    (dict(speculative=SpeculativeConfig("draft", 4)), ValueError, "'draft'.*not built yet"),
+    (dict(speculative=SpeculativeConfig("draft", 4, draft_model=random_model(
+        ModelConfig.tiny(vocab_size=128)))), ValueError, "vocabulary \\(128 tokens\\)"),
     (dict(speculative=SpeculativeConfig("ngram", 4), async_scheduling=True), ValueError,
      "async_scheduling off"),
     (dict(speculative={"method": "ngram"}), TypeError, "SpeculativeConfig"),
@@ -225,6 +226,30 @@ def test_a_verify_step_is_not_a_decode_only_step_and_counts_its_drafts():
 def test_what_the_engine_cannot_speculate_with_is_refused(kw, error, words):
     with pytest.raises(error, match=words):
         engine(**kw)
+
+
+def test_a_draft_config_needs_a_model_and_only_a_draft_config_takes_one():
+    with pytest.raises(ValueError, match="needs draft_model"):
+        SpeculativeConfig("draft", 4)
+    with pytest.raises(ValueError, match="method 'draft' only"):
+        SpeculativeConfig("ngram", 4, draft_model=random_model(TINY))
+
+
+def test_a_draft_model_keeps_greedy_outputs_and_the_target_as_its_own_draft_is_accepted():
+    """A smaller random model proposes its own tokens: outputs stay plain decoding's, whatever
+    it proposes. The target proposing for itself is accepted nearly always (its plain forward
+    and the engine's paged one round differently only in near ties)."""
+    target = random_model(TINY, seed=0)
+    plain_out = outputs(LLM(target, device="cpu"))
+    small = random_model(ModelConfig.tiny(num_hidden_layers=1, hidden_size=32,
+                                          intermediate_size=64), seed=5)
+    for draft, k in ((small, 3), (target, 4)):
+        llm = LLM(target, device="cpu",
+                  speculative=SpeculativeConfig("draft", k, draft_model=draft))
+        assert outputs(llm) == plain_out
+        assert llm.stats.num_spec_proposed > 0
+    rate = llm.stats.num_spec_accepted / llm.stats.num_spec_proposed
+    assert rate > 0.9, f"the target's own proposals were accepted {rate:.0%} of the time"
 
 
 def test_the_scheduler_config_refuses_speculation_with_async_scheduling():

@@ -328,10 +328,12 @@ class SchedulerConfig:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
                                 f"{type(self.speculative).__name__}")
-            if self.speculative.method == "draft":
-                raise ValueError("speculative method 'draft' (a smaller draft model) is not built "
-                                 "yet: use method='ngram' (prompt lookup) or 'controlled' (a "
-                                 "teaching draft of a chosen acceptance rate)")
+            draft = self.speculative.draft_model
+            if draft is not None and self.vocab_size is not None and \
+                    draft.config.vocab_size != self.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} "
+                                 f"tokens) must be the target's ({self.vocab_size}): its tokens "
+                                 "are checked as the target's")
             if self.speculative.method == "controlled" and self.vocab_size is None:
                 raise ValueError("speculative method 'controlled' needs vocab_size: its wrong "
                                  "drafts are drawn from the vocabulary")

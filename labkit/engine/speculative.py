@@ -20,7 +20,7 @@ step emits ``(1 - a^(k+1)) / (1 - a)`` tokens on average (:func:`expected_tokens
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Hashable, Sequence
 
@@ -35,16 +35,18 @@ METHODS = ("ngram", "controlled", "draft")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How a request's next tokens are proposed: ``LLM(..., speculative=...)``. The engine runs
-    ``"ngram"`` (every request) and ``"controlled"`` (greedy requests: the LLM first computes
+    ``"ngram"`` (every request), ``"controlled"`` (greedy requests: the LLM first computes
     each one's greedy continuation in an untimed reference run; what it measures is the upper
-    bound for a draft of that acceptance rate, on random weights), with async scheduling off.
-    ``"draft"`` (a smaller model) is refused there: not built yet."""
+    bound for a draft of that acceptance rate, on random weights) and ``"draft"`` (every
+    request: ``draft_model``, a smaller model over the same vocabulary, proposes its own greedy
+    tokens), with async scheduling off."""
     method: str = "ngram"           # "ngram", "controlled" or "draft" (a smaller model)
     num_speculative_tokens: int = 4  # k: draft tokens per verify step
     min_n: int = 1                  # ngram: shortest suffix n-gram looked up
     max_n: int = 3                  # ngram: longest, tried first
     acceptance: float = 0.8         # controlled: chance that each draft token is right
     seed: int = 0                   # controlled: which tokens go wrong
+    draft_model: object = field(default=None, compare=False, repr=False)  # draft: the model
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -61,6 +63,14 @@ class SpeculativeConfig:
             raise ValueError(f"acceptance must be a probability in [0, 1], got {a!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.method == "draft":
+            if not isinstance(self.draft_model, torch.nn.Module) or \
+                    not hasattr(self.draft_model, "config"):
+                raise ValueError("method 'draft' needs draft_model: a labkit model (LlamaModel) "
+                                 "over the target's vocabulary, e.g. random_model(ModelConfig."
+                                 f"tiny(...)); got {type(self.draft_model).__name__}")
+        elif self.draft_model is not None:
+            raise ValueError(f"draft_model is used by method 'draft' only, not {self.method!r}")
 
 
 # ---------------------------------------------------------------- proposers
@@ -87,6 +97,30 @@ class NgramProposer:
                 if tokens[start:start + n] == suffix:
                     return tokens[start + n:start + n + self.k]
         return []
+
+
+class DraftModelProposer:
+    """A smaller model proposes its own greedy continuation, k tokens, one forward each.
+
+    Each forward recomputes the whole sequence through the model's plain causal path: the draft
+    keeps no KV cache of its own, so its cost grows with the sequence, where an engine's draft
+    has a paged cache beside the target's. Its tokens are its own, so acceptance is measured,
+    not chosen: two models with random weights rarely agree."""
+
+    def __init__(self, model: torch.nn.Module, k: int):
+        check_positive_int("k", k, hint="draft tokens per verify step")
+        self.model, self.k = model, k
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        tokens = torch.tensor([list(token_ids)], device=self.device)
+        out = []
+        for _ in range(self.k):
+            nxt = self.model(tokens)[0, -1].argmax()
+            out.append(int(nxt))
+            tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
+        return out
 
 
 def _uniform(*key) -> float:
@@ -260,18 +294,19 @@ class SpecDecodeStats:
 
 # --- in the engine's scheduler ----------------------------------------------------------------
 
-def make_proposer(config: SpeculativeConfig) -> NgramProposer | ControlledProposer:
-    """The proposer the engine runs for ``config`` ("draft" is refused by SchedulerConfig)."""
+def make_proposer(config: SpeculativeConfig
+                  ) -> NgramProposer | ControlledProposer | DraftModelProposer:
+    """The proposer the engine runs for ``config``."""
     k = config.num_speculative_tokens
     if config.method == "ngram":
         return NgramProposer(config.min_n, config.max_n, k)
     if config.method == "controlled":
         return ControlledProposer(config.acceptance, k, config.seed)
-    raise ValueError(f"speculative method {config.method!r} has no proposer in the engine yet")
+    return DraftModelProposer(config.draft_model, k)
 
 
-def propose_drafts(proposer: NgramProposer | ControlledProposer, bm, req, budget: int,
-                   max_model_len: int, vocab_size: int | None = None) -> list[int]:
+def propose_drafts(proposer: NgramProposer | ControlledProposer | DraftModelProposer, bm, req,
+                   budget: int, max_model_len: int, vocab_size: int | None = None) -> list[int]:
     """Draft tokens for a decode row of ``req`` (a ``labkit.engine.request.Request`` whose last
     token was just appended to ``bm``): at most k, no more than ``budget`` tokens, than its
     max_tokens and max_model_len could keep, and only if the blocks for them are free (drafts
