@@ -83,3 +83,10 @@ def test_claims_fail_on_figures_that_contradict_them():
                           "high": [2.1], "predicted": [2.6], "same_tokens": [True]})
     held = [c.held for c in sp.speedup_claims(speed, 0.15, "here")]
     assert held == [True, False, True], "2.0 against a predicted 2.6 is 23% off"
+
+
+def test_a_random_draft_model_proposes_and_outputs_stay_plain(model):
+    result = sp.draft_acceptance(model, k=3, batch=2, max_tokens=12, device="cpu")
+    assert result["proposed"] > 0 and result["accepted"] <= result["proposed"]
+    assert result["same_tokens"] and sp.draft_claim(result).held
+    assert not sp.draft_claim({**result, "same_tokens": False}).held
