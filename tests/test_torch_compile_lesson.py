@@ -165,6 +165,38 @@ def test_cold_start_spreads_and_summary_from_a_starts_table():
     assert list(cs.summary(df).rounds) == [3, 3]
 
 
+def test_chains_run_side_by_side_yet_each_warm_start_follows_its_own_cold_one(monkeypatch):
+    """Two chains at once (the fresh processes stubbed): every warm start is handed its own
+    chain's cache folder after the cold start in it returned, rows come out in round order, and
+    the two chains overlapped in time."""
+    import threading
+    import time as clock
+
+    events, lock = [], threading.Lock()
+
+    def fake_start(mode, cache, **kw):
+        with lock:
+            events.append(("begin", cache))
+        clock.sleep(0.2)
+        with lock:
+            events.append(("end", cache))
+        return {"first_call_s": 1.0, "process_s": 2.0, "rest_of_process_s": 1.0}
+    monkeypatch.setattr(cs, "start", fake_start)
+    t0 = clock.perf_counter()
+    df = cs.cold_and_warm(["default"], dim=8, hidden=8, tokens=2, device="cpu",
+                          dtype="float32", rounds=2, parallel=2)
+    assert clock.perf_counter() - t0 < 0.7, "two chains of 2 x 0.2 s ran one after another"
+    assert list(zip(df["round"], df.start)) == [(0, "cold"), (0, "warm cache"),
+                                               (1, "cold"), (1, "warm cache")]
+    assert set(df.parallel) == {2}
+    for folder in {c for _, c in events}:  # per chain: begin, end (cold), begin, end (warm)
+        assert [e for e, c in events if c == folder] == ["begin", "end", "begin", "end"]
+    with pytest.raises(ValueError, match="parallel"):
+        cs.cold_and_warm(["default"], dim=8, hidden=8, tokens=2, device="cpu",
+                         dtype="float32", parallel=0)
+    assert cs.default_parallel(6) >= 1 and cs.default_parallel(1) == 1
+
+
 def test_a_fresh_process_that_fails_says_which_mode_and_why():
     with pytest.raises(RuntimeError, match="mode 'turbo' failed"):
         cs.start("turbo", "/tmp/labkit_unused_cache", dim=8, hidden=8, tokens=2, device="cpu",

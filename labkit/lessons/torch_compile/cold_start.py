@@ -10,7 +10,10 @@ one warmed. So each start here is a new Python process:
   and kernel caches hit, so it mostly traces and loads.
 
 The child reports how long its first call took (compile + run); the rest of the process
-(interpreter, imports, building the block) is shown beside it. The comparison is the first call. Rounds alternate the modes (cold, warm; next mode; ...).
+(interpreter, imports, building the block) is shown beside it. The comparison is the first call.
+Each (round, mode) is a chain, cold then warm; on a machine with cores to spare several chains
+run at once (a quarter of the cores: each child compiles on one thread), since a dozen fresh
+processes one after another took most of notebook 03's time on the H200's host.
 """
 from __future__ import annotations
 
@@ -83,18 +86,36 @@ def start(mode: str, cache_dir: str, *, dim: int, hidden: int, tokens: int, devi
     return {**report, "process_s": wall, "rest_of_process_s": wall - report["first_call_s"]}
 
 
+def default_parallel(chains: int) -> int:
+    """How many (cold, warm) chains run at once: a quarter of the cores, so that each child's
+    one compile thread and its imports have cores to themselves (16 on the H200's host: 4; on a
+    2-core laptop: 1, one after another)."""
+    return max(1, min(chains, (os.cpu_count() or 1) // 4))
+
+
 def cold_and_warm(modes: Sequence[str], *, dim: int, hidden: int, tokens: int, device: str,
-                  dtype: str, rounds: int = 3) -> pd.DataFrame:
-    """Per round and mode: a cold start in a fresh process, then a warm-cache start in another."""
-    rows = []
-    for r in range(rounds):
-        for mode in modes:
-            with tempfile.TemporaryDirectory(prefix="labkit_inductor_") as cache:
-                for kind in ("cold", "warm cache"):
-                    rep = start(mode, cache, dim=dim, hidden=hidden, tokens=tokens,
-                                device=device, dtype=dtype)
-                    rows.append({"round": r, "mode": mode, "start": kind, **rep})
-    return pd.DataFrame(rows)
+                  dtype: str, rounds: int = 3, parallel: int | None = None) -> pd.DataFrame:
+    """Per round and mode, a chain: a cold start in a fresh process with an empty cache folder,
+    then a warm-cache start in another given that folder. Chains share nothing, so ``parallel``
+    of them run at once (default :func:`default_parallel`); within a chain the warm start
+    always follows its cold one. Rows come in (round, mode, cold then warm) order whatever
+    finished first, with the ``parallel`` they ran under."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chains = [(r, mode) for r in range(rounds) for mode in modes]
+    parallel = default_parallel(len(chains)) if parallel is None else parallel
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"parallel must be a positive int (chains run at once), got {parallel!r}")
+
+    def chain(r: int, mode: str) -> list[dict]:
+        with tempfile.TemporaryDirectory(prefix="labkit_inductor_") as cache:
+            return [{"round": r, "mode": mode, "start": kind, "parallel": parallel,
+                     **start(mode, cache, dim=dim, hidden=hidden, tokens=tokens, device=device,
+                             dtype=dtype)}
+                    for kind in ("cold", "warm cache")]
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        done = [pool.submit(chain, r, mode) for r, mode in chains]
+        return pd.DataFrame([row for future in done for row in future.result()])
 
 
 def spreads(starts: pd.DataFrame) -> dict[str, dict[str, Spread]]:
