@@ -128,3 +128,26 @@ def test_figures_show_every_scheme_and_case():
     assert len(fig.data[0].x) == 7 and "MLA 128 heads" in fig.data[0].x
     roof = mla.roofline_figure(measured(), "test")
     assert {t.name for t in roof.data} >= {"MLA 16 heads", "MLA 128 heads"}
+
+
+def test_the_gpu_measurement_feeds_the_notebooks_table_claims_and_figure(monkeypatch):
+    """measure_decode's glue, with the CUDA pieces stood in by CPU work of known bytes: the
+    names and fields notebook 10 reads on a GPU are the ones it returns."""
+    def cpu_case(batch, heads, ctx, device="cpu", **kw):
+        a = torch.randn(256, 256)
+        return (lambda: a @ a), batch * ctx * (mla.RANK + mla.ROPE) * 2
+
+    monkeypatch.setattr(mla, "latent_decode", cpu_case)
+    monkeypatch.setattr(mla, "gqa_decode", lambda batch, ctx, device="cpu": cpu_case(
+        batch, 32, ctx))
+    monkeypatch.setattr(mla, "roofs", lambda rounds, device: {
+        "copy_gbps": 4000.0, "copy": {}, "matmul_tflops": 700.0, "ridge": 175.0})
+    monkeypatch.setattr("labkit.device.free_memory", lambda device: None)
+    measured = mla.measure_decode(rounds=3, batch=2, ctx=64, device="cpu")
+    assert set(measured["cases"]) == {"MLA 16 heads", "MLA 128 heads", "GQA 32/8 heads of 128"}
+    table = mla.decode_table(measured)
+    assert table.loc["MLA 128 heads", "FLOPs per byte"] == pytest.approx(
+        mla.decode_intensity(DEEPSEEK_V3, "MLA"))
+    assert math.isnan(table.loc["GQA 32/8 heads of 128", "TFLOP/s"])
+    assert len(mla.decode_claims(measured)) == 2
+    assert len(mla.roofline_figure(measured, "test").data) == 4
