@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from labkit.engine.model import LlamaModel
+from labkit.engine.mla_pieces import MLAPiecewiseForward
 from labkit.engine.pieces import PiecewiseForward
 from labkit.graphs import GraphPool
 from labkit.graphs.emulated_cuda import cuda_for
@@ -69,20 +70,6 @@ def resolve_cudagraph_mode(cudagraph_mode: str | None, enforce_eager: bool,
     return cudagraph_mode
 
 
-def mla_cudagraph_mode(mode: str) -> tuple[str, str | None]:
-    """The mode an MLA model runs under, and a line for the selection log when it differs:
-    its layers are not split at attention, so piecewise graphs are refused and
-    full_and_piecewise keeps its full decode graphs only."""
-    if mode == "piecewise":
-        raise ValueError("cudagraph_mode='piecewise' splits the Llama layers at attention; MLA "
-                         "layers are not split yet: use 'full_decode_only' or 'none'")
-    if mode == "full_and_piecewise":
-        return "full_decode_only", ("cudagraph_mode: full_decode_only (an MLA model's layers "
-                                    "are not split for piecewise graphs: mixed steps run "
-                                    "eagerly)")
-    return mode, None
-
-
 @torch.inference_mode()
 def capture_decode_graphs(decode_forward: Callable, buckets: Sequence[int],
                           context_buckets: Sequence[int] | None, max_blocks_per_seq: int,
@@ -116,8 +103,11 @@ def capture_piecewise_graphs(model: LlamaModel, fused_ops: bool, buckets: Sequen
     # On a GPU each piece stores its layer's new K/V itself (a kernel per token, padding slots
     # -1 skipped), so only attention runs between the graphs. On CPU the stand-in cannot
     # record the store kernel: attention stores them.
-    pieces = PiecewiseForward(model, model.ops(fused_ops), max(buckets),
-                              cache=cache if device.type == "cuda" else None)
+    keep = cache if device.type == "cuda" else None
+    if model.config.is_mla:  # its own cut: the absorbed path's query, latent rows and output
+        pieces = MLAPiecewiseForward(model, max(buckets), cache=keep)
+    else:
+        pieces = PiecewiseForward(model, model.ops(fused_ops), max(buckets), cache=keep)
     piecewise = PiecewiseGraphs(pieces.pieces(), buckets, cuda=cuda_for(device))
     predicted = piecewise.predict_memory()
     stats = piecewise.capture()

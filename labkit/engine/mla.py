@@ -164,10 +164,19 @@ class MLAAttention(nn.Module):
         ``attend(q, latent)``: q = [W_UK-folded q_nope ; q_pe] [T, H, rank + rope] and the
         step's latent rows [T, 1, rank + rope] (c_kv then k_pe) in, the attention's latent
         output [T, H, rank] out (the rows stored first); W_UV and o_proj follow here."""
+        return self.from_latent(attend(*self.to_latent(x, rotary)))
+
+    def to_latent(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (q [T, H, rank + rope] with W_UK folded in, the step's latent rows
+        [T, 1, rank + rope]): everything before attention, token by token."""
         q_nope, q_pe, c_kv, k_pe = self.project(x, rotary)
-        w_uk, w_uv = self.up_projections()
+        w_uk, _ = self.up_projections()
         q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
-        out_latent = attend(q, torch.cat([c_kv, k_pe], dim=-1)[:, None, :])
+        return q, torch.cat([c_kv, k_pe], dim=-1)[:, None, :]
+
+    def from_latent(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """Attention's latent output [T, H, rank] -> [T, hidden]: W_UV, then o_proj."""
+        _, w_uv = self.up_projections()
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v_head_dim]
         return self.o_proj(out.flatten(1))
 
@@ -195,7 +204,20 @@ class MLALayer(nn.Module):
     def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
         """attend(attention, normed x) -> attention's output: the one part a path chooses."""
         x = x + attend(self.self_attn, self.input_layernorm(x))
+        return self.after_attention_output(x)
+
+    def after_attention_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention's output was added -> the layer's output."""
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def before_attention(self, x: torch.Tensor, rotary):
+        """The layer up to attention on the absorbed path -> (q, latent rows, the residual x):
+        token by token, so piecewise graphs capture it per token count."""
+        return (*self.self_attn.to_latent(self.input_layernorm(x), rotary), x)
+
+    def after_attention(self, out_latent: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Attention's latent output [T, H, rank] and the residual -> the layer's output."""
+        return self.after_attention_output(residual + self.self_attn.from_latent(out_latent))
 
 
 class MLAModel(nn.Module):

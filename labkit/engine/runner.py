@@ -33,12 +33,12 @@ from labkit.engine.cudagraphs import (  # noqa: F401  (the runner's names for th
     capture_decode_graphs,
     capture_piecewise_graphs,
     graph_memory,
-    mla_cudagraph_mode,
     resolve_cudagraph_mode,
 )
 from labkit.engine.compiled_pieces import CompiledPiecewise
 from labkit.engine.device_metadata import DeviceMetadata, decode_inputs, metadata_to_device
 from labkit.engine.model import LlamaModel
+from labkit.engine.mla_pieces import MLAPiecewiseForward
 from labkit.engine.pieces import PiecewiseForward
 from labkit.engine.request import ScheduledStep
 from labkit.engine.step_attention import StepAttention
@@ -112,14 +112,12 @@ class ModelRunner(StepAttention):
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
         # An MLA model (labkit.engine.mla) attends over a latent cache through the backend's
-        # mla call; its layers are not split for piecewise graphs nor traced for compile yet.
+        # mla call; its layers are split for piecewise graphs (mla_pieces), not traced for
+        # compile yet.
         self.mla = c.is_mla
-        mla_note = None
-        if self.mla:
-            if compile or self.fused_ops:
-                raise ValueError("compile=True and fused_ops=True run the Llama layer's ops; an "
-                                 "MLA model runs its own: leave both off")
-            self.cudagraph_mode, mla_note = mla_cudagraph_mode(self.cudagraph_mode)
+        if self.mla and (compile or self.fused_ops):
+            raise ValueError("compile=True and fused_ops=True run the Llama layer's ops; an "
+                             "MLA model runs its own: leave both off")
         self.compiled = None
         if compile:
             if self.fused_ops:
@@ -128,8 +126,6 @@ class ModelRunner(StepAttention):
             from labkit.engine.compiled import CompiledForward
             self.compiled = CompiledForward(model)
         self.backend, self.selection_log = self._choose_backend(backend, block_size)
-        if mla_note:
-            self.selection_log.append(mla_note)
         self.use_graphs = self.cudagraph_mode.startswith("full")
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
         # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
@@ -159,7 +155,7 @@ class ModelRunner(StepAttention):
             self.graphs = capture_decode_graphs(
                 self.decode_forward, buckets, self.decode_context_buckets,
                 self.max_blocks_per_seq, self.device)
-        self.pieces: PiecewiseForward | None = None
+        self.pieces: PiecewiseForward | MLAPiecewiseForward | None = None
         self.piecewise: PiecewiseGraphs | CompiledPiecewise | None = None
         if self.cudagraph_mode.endswith("piecewise"):
             token_buckets = token_buckets or default_token_buckets(max_num_batched_tokens)

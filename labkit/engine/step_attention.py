@@ -56,7 +56,7 @@ class StepAttention:
         """The step's AttentionFn; ``store=False`` when the K/V were stored already (piecewise
         graphs store them inside the pieces)."""
         if self.mla:
-            return self._latent_attention(md, max_query_len)
+            return self._latent_attention(md, max_query_len, store=store)
         cache, run = self.cache, self._paged(md, max_query_len, host)
 
         def attention(layer, q, k, v, out=None):
@@ -70,18 +70,21 @@ class StepAttention:
             return run(q, layer, out)
         return attention
 
-    def _latent_attention(self, md: DeviceMetadata, max_query_len: int):
+    def _latent_attention(self, md: DeviceMetadata, max_query_len: int, *, store: bool = True):
         """An MLA model's attention function: ``(layer, q, latent)`` with q [T, H, rank + rope]
         (W_UK folded in) and the step's latent rows [T, 1, rank + rope]: the rows go into their
-        slots, then the backend's mla call attends over the layer's latent cache -> [T, H, rank].
-        Built from the runner's own metadata: no host sync, so a decode graph can capture it."""
+        slots (unless ``store`` is off: piecewise graphs on a GPU stored them), then the
+        backend's mla call attends over the layer's latent cache -> [T, H, rank], into ``out``
+        when given. Built from the runner's own metadata: no host sync, so a decode graph can
+        capture it."""
         cache, rank = self.cache, self.model.config.kv_lora_rank
         mla, scale = self.backend.mla, self.model.attention_scale
         tables, cu, lens, slots = md.block_tables, md.cu_seqlens_q, md.seq_lens, md.slot_mapping
 
         def attention(layer, q, latent, v=None, out=None):
-            cache.write_latent(layer, latent[:, 0], slots, use_kernel=self.store_kernel,
-                               check=False)
+            if store:
+                cache.write_latent(layer, latent[:, 0], slots, use_kernel=self.store_kernel,
+                                   check=False)
             return mla(q[..., :rank], q[..., rank:], cache.latent_cache(layer), tables, cu, lens,
-                       scale=scale, check=False, max_query_len=max_query_len)
+                       scale=scale, check=False, max_query_len=max_query_len, out=out)
         return attention
