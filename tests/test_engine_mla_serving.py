@@ -66,8 +66,8 @@ def test_labkits_triton_kernel_serves_it_too(model, expected):
 def test_what_cannot_serve_an_mla_model_says_so(model):
     with pytest.raises(BackendUnavailable, match="MLA"):
         LLM(model, device="cpu", backend="sdpa")
-    with pytest.raises(ValueError, match="leave both off"):
-        LLM(model, device="cpu", compile=True)
+    with pytest.raises(ValueError, match="leave it off"):
+        LLM(model, device="cpu", fused_ops=True)
 
 
 def test_a_deepseek_checkpoint_folder_serves(tmp_path):
@@ -97,6 +97,24 @@ def test_piecewise_graphs_replay_an_mla_model_with_the_same_tokens(model, expect
                    for s in llm.step_history), "no mixed step was replayed"
 
 
+@pytest.mark.parametrize("mode", ["none", "piecewise"])
+def test_compile_traces_an_mla_model_split_at_its_latent_attention(model, expected, mode):
+    """compile=True on the MLA model: Dynamo traces the absorbed path with attention the opaque
+    labkit::attention op (latent rows as k, no v, an out of the latent's width), Inductor
+    compiles the pieces, and under piecewise graphs the compiled pieces replay around it."""
+    llm = LLM(model, device="cpu", compile=True, cudagraph_mode=mode, max_num_batched_tokens=16,
+              max_num_seqs=4)
+    assert tokens(llm) == expected
+    stats = llm.runner.compiled.stats
+    assert stats.attention_calls == model.config.num_hidden_layers
+    assert stats.compilations <= 2, "one symbolic compile, and one where Dynamo specialises 1"
+    before = stats.compilations
+    assert tokens(llm) == expected
+    assert stats.compilations == before, "steps of sizes seen before compiled again"
+    if mode == "piecewise":
+        assert "piecewise" in {s.graph for s in llm.step_history}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["none", "full_decode_only", "piecewise", "full_and_piecewise"])
 def test_gpu_mla_engine_tokens_in_every_graph_mode(mode):
@@ -108,3 +126,12 @@ def test_gpu_mla_engine_tokens_in_every_graph_mode(mode):
     kinds = {s.graph for s in llm.step_history}
     assert ("full" in kinds) == mode.startswith("full")
     assert ("piecewise" in kinds) == mode.endswith("piecewise")
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_mla_engine_under_the_default_graphs():
+    model = mla_model(tiny_mla(), 3).to("cuda")
+    expected = [generate_greedy(model, p, MAX_TOKENS, absorbed=False) for p in PROMPTS]
+    llm = LLM(model, compile=True, max_num_batched_tokens=16, max_num_seqs=4)
+    assert llm.cudagraph_mode == "full_and_piecewise" and tokens(llm) == expected
+    assert {"full", "piecewise"} <= {s.graph for s in llm.step_history}

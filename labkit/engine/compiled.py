@@ -32,7 +32,7 @@ import contextlib
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -53,12 +53,14 @@ def attention_context(attention: AttentionFn) -> Iterator[None]:
 
 
 @torch.library.custom_op("labkit::attention", mutates_args=("out",))
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 layer: int) -> None:
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
+                 out: torch.Tensor, layer: int) -> None:
     """Layer ``layer``'s attention of this step (its K/V stored first): q [T, Hq, D] -> ``out``
     [T, Hq, D], filled in place. Opaque to Dynamo and Inductor, so the compiled graph splits
     here; ``out`` is allocated before the split, so under piecewise graphs it is memory of the
-    graph before, the same address at every replay."""
+    graph before, the same address at every replay. An MLA model passes its folded query, its
+    latent rows as ``k``, no ``v``, and an ``out`` of the latent's width
+    (``MLAModel.hidden_states``)."""
     if not _STEP_ATTENTION:
         raise RuntimeError("labkit::attention ran outside attention_context(...): the runner "
                            "sets the step's attention around each compiled forward")
@@ -71,8 +73,9 @@ def _attention_shape(q, k, v, out, layer):
 
 
 def _attend(layer: int, q, k, v, out=None) -> torch.Tensor:
-    """The AttentionFn the traced model calls: its output allocated here, filled by the op."""
-    out = torch.empty_like(q)
+    """The AttentionFn the traced model calls: its output allocated here (unless the model
+    gives one of another shape, as MLA's does), filled by the op."""
+    out = torch.empty_like(q) if out is None else out
     attention_op(q, k, v, out, layer)
     return out
 
@@ -163,7 +166,7 @@ def split_at_attention(stats: CompileStats):
 
 
 class CompiledForward:
-    """``model.hidden_states`` compiled: ``forward(input_ids, positions, attention)`` -> the
+    """``model.hidden_states`` compiled (a LlamaModel's or an MLAModel's): ``forward(input_ids, positions, attention)`` -> the
     final-normed hidden states, the layers' small ops plain (Inductor fuses them itself)."""
 
     def __init__(self, model: LlamaModel):

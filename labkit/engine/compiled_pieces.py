@@ -67,7 +67,7 @@ class _Recorder:
 
     def attention(self, layer, q, k, v, out=None):
         keep = (lambda t: t) if not self.on_gpu else _unowned
-        self.calls.append((layer, keep(q), keep(k), keep(v), keep(out)))
+        self.calls.append((layer, keep(q), keep(k), None if v is None else keep(v), keep(out)))
 
 
 class CompiledPiecewise:
@@ -172,6 +172,6 @@ class CompiledPiecewise:
             graph.replay()
             if i < len(calls):
                 layer, q, k, v, out = calls[i]
-                attention(layer, q[:n], k[:n], v[:n], out=out[:n])
+                attention(layer, q[:n], k[:n], None if v is None else v[:n], out=out[:n])
         self.stats.buckets[bucket].count(n)
         return hidden[:n]

@@ -262,13 +262,16 @@ class MLAModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, *,
                       fused_ops: bool | None = None) -> torch.Tensor:
         """The engine's forward: input_ids, positions [T] -> final-normed hidden [T, hidden].
-        ``attention(layer, q, latent, None)`` stores the layer's latent rows and returns its
-        latent output [T, H, rank] (``through_latent``). ``fused_ops`` is not used."""
+        ``attention(layer, q, latent, None, out=...)`` stores the layer's latent rows and fills
+        ``out`` with its latent output [T, H, rank] (``through_latent``), allocated here: its
+        width is the latent's, not the query's. ``fused_ops`` is not used."""
         rotary = rope_cos_sin(positions, self.inv_freq)
         x = self.model.embed_tokens(input_ids)
+        rank = self.config.kv_lora_rank
         for i, layer in enumerate(self.model.layers):
             x = layer(x, lambda attn, h: attn.through_latent(
-                h, rotary, lambda q, latent: attention(i, q, latent, None)))
+                h, rotary, lambda q, latent: attention(
+                    i, q, latent, None, out=q.new_empty(q.shape[0], q.shape[1], rank))))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -112,12 +112,12 @@ class ModelRunner(StepAttention):
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
         # An MLA model (labkit.engine.mla) attends over a latent cache through the backend's
-        # mla call; its layers are split for piecewise graphs (mla_pieces), not traced for
-        # compile yet.
+        # mla call; its layers are split for piecewise graphs (mla_pieces) and compile as the
+        # Llama layers do (attention the opaque op).
         self.mla = c.is_mla
-        if self.mla and (compile or self.fused_ops):
-            raise ValueError("compile=True and fused_ops=True run the Llama layer's ops; an "
-                             "MLA model runs its own: leave both off")
+        if self.mla and self.fused_ops:
+            raise ValueError("fused_ops=True runs the Llama layer's fused Triton ops; an MLA "
+                             "model runs its own: leave it off")
         self.compiled = None
         if compile:
             if self.fused_ops:
