@@ -151,3 +151,34 @@ def test_the_gpu_measurement_feeds_the_notebooks_table_claims_and_figure(monkeyp
     assert math.isnan(table.loc["GQA 32/8 heads of 128", "TFLOP/s"])
     assert len(mla.decode_claims(measured)) == 2
     assert len(mla.roofline_figure(measured, "test").data) == 4
+
+
+def test_both_prefill_paths_give_the_same_outputs_over_a_paged_latent_cache():
+    """benchmarks/mla_prefill.py times two ways to prefill: they must compute the same thing
+    (the absorbed kernel then W_UV; decompressed keys and values through flash_attention,
+    padded to its power of two), on a length off the block and scattered blocks."""
+    model = random_model(mla.tiny_mla_config(), seed=2, std=0.15)
+    attention = model.model.layers[1].self_attn
+    c, seq_len, block = attention.config, 37, 16
+    g = torch.Generator().manual_seed(3)
+    blocks = -(-seq_len // block)
+    cache = torch.randn(blocks + 3, block, c.latent_size, generator=g)
+    table = torch.randperm(blocks + 3, generator=g)[:blocks][None].int()
+    q_nope = torch.randn(seq_len, c.num_attention_heads, c.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(seq_len, c.num_attention_heads, c.qk_rope_head_dim, generator=g)
+    with torch.no_grad():
+        paths = mla.prefill_paths(attention, q_nope, q_pe, cache, table, seq_len)
+        absorbed, decompressed = paths["absorbed"](), paths["decompressed"]()
+    assert absorbed.shape == (seq_len, c.num_attention_heads, c.v_head_dim)
+    assert (absorbed - decompressed).abs().max() < 1e-4 * decompressed.abs().max()
+
+
+def test_prefill_flops_count_the_widths_each_path_runs():
+    from labkit.engine import ModelConfig
+    config = ModelConfig.tiny(hidden_size=1024, num_attention_heads=128,
+                              num_key_value_heads=128, kv_lora_rank=512, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128)
+    f = mla.prefill_flops(config, 1)  # one pair: the projections plus one score and one value
+    projections = 2 * 128 * (128 + 128) * 512
+    assert f["absorbed"] - projections == 2 * 128 * (512 + 64 + 512)
+    assert f["decompressed"] - projections == 2 * 128 * (256 + 256)  # 192 and 128 padded
