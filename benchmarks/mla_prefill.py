@@ -10,7 +10,7 @@ and 128, padded to the kernel's power of two (256 each). Which is faster is meas
 DeepSeek-V3's attention shape (128 heads, latent 512 + 64, keys of 128 + 64, values of 128),
 bf16, one causal sequence of 1,024 to 16,384 tokens over a paged cache, both paths ending in the
 per-head outputs o_proj takes, in interleaved rounds (median and range). The engine prefills
-through the absorbed kernel today; this is the measurement issue 22 asks for before choosing.
+through the absorbed kernel; this measurement is what a switch to the other path would rest on.
 """
 from __future__ import annotations
 
