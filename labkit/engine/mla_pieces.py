@@ -13,17 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from labkit.engine.pieces import StaticTokens
 from labkit.kernels.layer_ops import rope_cos_sin
 
 
-class MLAPiecewiseForward:
+class MLAPiecewiseForward(StaticTokens):
     def __init__(self, model, max_tokens: int, cache=None):
         c, dev, dtype = model.config, model.embed_tokens.device, model.embed_tokens.dtype
-        self.model, self.max_tokens, self.cache = model, max_tokens, cache
+        super().__init__(max_tokens, dev)
+        self.model, self.cache = model, cache
         heads = c.num_attention_heads
-        self.ids = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
-        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
         self.q = torch.zeros(max_tokens, heads, c.latent_size, dtype=dtype, device=dev)
         self.latent = torch.zeros(max_tokens, 1, c.latent_size, dtype=dtype, device=dev)
         self.residual = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=dev)
@@ -64,19 +63,6 @@ class MLAPiecewiseForward:
             self.cache.write_latent(i, latent[:, 0], self.slots[:n], check=False)
         else:
             self.latent[:n].copy_(latent)
-
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-             bucket: int) -> None:
-        """The step's tokens into the static inputs; rows up to ``bucket`` padded with 0 (slot
-        -1)."""
-        n = input_ids.shape[0]
-        self.ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slot_mapping)
-        if n < bucket:
-            self.ids[n:bucket].zero_()
-            self.positions[n:bucket].zero_()
-            self.slots[n:bucket].fill_(-1)
 
     def attention_views(self, n: int):
         """(q, latent rows, None, out) of the first ``n`` rows, the same in every layer."""

@@ -29,13 +29,35 @@ import torch.nn.functional as F
 from labkit.engine.model import AttentionFn, LlamaModel, split_heads
 
 
-class PiecewiseForward:
+class StaticTokens:
+    """The per-token inputs every piece reads, ``max_tokens`` rows each: ids, positions, KV
+    slots (shared by ``PiecewiseForward`` and ``mla_pieces.MLAPiecewiseForward``)."""
+
+    def __init__(self, max_tokens: int, device):
+        self.max_tokens = max_tokens
+        self.ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+             bucket: int) -> None:
+        """The step's tokens into the static inputs; rows up to ``bucket`` padded with 0 (slot
+        -1)."""
+        n = input_ids.shape[0]
+        self.ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(slot_mapping)
+        if n < bucket:
+            self.ids[n:bucket].zero_()
+            self.positions[n:bucket].zero_()
+            self.slots[n:bucket].fill_(-1)
+
+
+class PiecewiseForward(StaticTokens):
     def __init__(self, model: LlamaModel, ops, max_tokens: int, cache=None):
         c, dev, dtype = model.config, model.embed_tokens.device, model.embed_tokens.dtype
-        self.model, self.ops, self.max_tokens, self.cache = model, ops, max_tokens, cache
-        self.ids = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
-        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+        super().__init__(max_tokens, dev)
+        self.model, self.ops, self.cache = model, ops, cache
         self.qkv = torch.zeros(max_tokens, c.q_size + 2 * c.kv_size, dtype=dtype, device=dev)
         self.residual = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=dev)
         self.attn = torch.zeros(max_tokens, c.q_size, dtype=dtype, device=dev)
@@ -81,19 +103,6 @@ class PiecewiseForward:
         else:
             hidden = ops.add_rms_norm(x, residual, model.norm, model.config.rms_norm_eps)[0]
             self.hidden[:n].copy_(hidden)
-
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-             bucket: int) -> None:
-        """The step's tokens into the static inputs; rows up to ``bucket`` padded with 0 (slot
-        -1)."""
-        n = input_ids.shape[0]
-        self.ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slot_mapping)
-        if n < bucket:
-            self.ids[n:bucket].zero_()
-            self.positions[n:bucket].zero_()
-            self.slots[n:bucket].fill_(-1)
 
     def attention_views(self, n: int):
         """(q, k, v, out) of the first ``n`` rows, as every layer's attention reads and writes
