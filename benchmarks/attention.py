@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 from pathlib import Path
 
 import torch
 
 import labkit  # noqa: F401
-from labkit.device import describe, fingerprint, free_memory, synchronize
+from labkit.device import describe, free_memory, synchronize
+from labkit.measure.bench import save_results
 from labkit.measure.rounds import Spread, interleaved
 
 DEV = "cuda"
@@ -323,9 +323,7 @@ def run(out_dir: Path | None = None, with_registry: bool = True) -> dict:
             print(f"{name}: FAILED ({type(exc).__name__}: {exc})")
             results[name] = _error(exc)
         free_memory(DEV)
-    if out_dir is not None:
-        (out_dir / "attention.json").write_text(json.dumps(
-            {"fingerprint": fingerprint(), "results": results}, indent=1, default=str))
+    save_results(out_dir, "attention.json", results)
     return results
 
 

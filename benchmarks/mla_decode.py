@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
-from labkit.device import describe, fingerprint, free_memory
+from labkit.device import describe, free_memory
 from labkit.lessons.mla import (RANK, ROPE, SCALE, decode_inputs, gqa_decode, latent_decode, rate,
                                 roofs, timed)
+from labkit.measure.bench import save_results
 
 DEV = "cuda"
 ROUNDS = 5
@@ -82,10 +83,7 @@ def run(out_dir: Path | None = None) -> dict:
         results["sections"][section] = res
         del cases
         free_memory(DEV)
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "mla_decode.json").write_text(json.dumps(
-            {"fingerprint": fingerprint(), "results": results}, indent=1, default=str))
+    save_results(out_dir, "mla_decode.json", results)
     return results
 
 

@@ -15,16 +15,16 @@ through the absorbed kernel; this measurement is what a switch to the other path
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import labkit  # noqa: F401  (device set-up before anything imports triton)
-from labkit.device import describe, fingerprint, free_memory
+from labkit.device import describe, free_memory
 from labkit.engine import ModelConfig
 from labkit.engine.mla import MLAAttention
 from labkit.lessons.mla import prefill_flops, prefill_paths
+from labkit.measure.bench import save_results
 from labkit.measure.rounds import interleaved
 
 DEV = "cuda"
@@ -82,10 +82,7 @@ def run(out_dir: Path | None = None) -> dict:
         results[seq_len] = row
         del paths
         free_memory(DEV)
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "mla_prefill.json").write_text(json.dumps(
-            {"fingerprint": fingerprint(), "results": results}, indent=1, default=str))
+    save_results(out_dir, "mla_prefill.json", results)
     return results
 
 

@@ -101,3 +101,14 @@ def test_triton_compiles_sees_a_real_compile_once_per_variant():
         fill[(1,)](x, N=16)   # cached: no second compile
         fill[(1,)](x, N=32)   # a new constexpr: a new variant
     assert c.count == 2, c.kernels
+
+
+def test_save_results_writes_the_results_beside_the_fingerprint(tmp_path):
+    import json
+
+    from labkit.measure.bench import save_results
+    assert save_results(None, "x.json", {"a": 1}) is None
+    path = save_results(tmp_path / "new", "x.json", {"a": 1, "when": tmp_path})
+    saved = json.loads(path.read_text())
+    assert saved["results"]["a"] == 1 and "torch" in saved["fingerprint"]
+    assert saved["results"]["when"] == str(tmp_path), "what JSON cannot hold is written as text"

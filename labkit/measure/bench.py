@@ -170,3 +170,19 @@ class TritonCompiles:
         from triton import knobs
 
         knobs.runtime.jit_post_compile_hook = self._previous
+
+
+def save_results(out_dir, filename: str, results: dict):
+    """A benchmark's ``results`` as ``out_dir/filename`` (JSON, the machine's fingerprint
+    beside them, the folder made if missing); nothing when ``out_dir`` is None. -> the path."""
+    if out_dir is None:
+        return None
+    import json
+    from pathlib import Path
+
+    from labkit.device import fingerprint
+    path = Path(out_dir) / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"fingerprint": fingerprint(), "results": results}, indent=1,
+                               default=str))
+    return path
