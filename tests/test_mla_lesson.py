@@ -1,4 +1,4 @@
-"""Notebook 10's lesson code (labkit/lessons/mla.py): the byte and FLOP arithmetic against
+"""Notebook 10's lesson code (labkit/lessons/mla/): the byte and FLOP arithmetic against
 independent counts, the absorption identity, the kernel check, and the claims' verdicts on
 measured figures made up to fall on either side."""
 import math
@@ -137,10 +137,11 @@ def test_the_gpu_measurement_feeds_the_notebooks_table_claims_and_figure(monkeyp
         a = torch.randn(256, 256)
         return (lambda: a @ a), batch * ctx * (mla.RANK + mla.ROPE) * 2
 
-    monkeypatch.setattr(mla, "latent_decode", cpu_case)
-    monkeypatch.setattr(mla, "gqa_decode", lambda batch, ctx, device="cpu": cpu_case(
+    from labkit.lessons.mla import decode
+    monkeypatch.setattr(decode, "latent_decode", cpu_case)
+    monkeypatch.setattr(decode, "gqa_decode", lambda batch, ctx, device="cpu": cpu_case(
         batch, 32, ctx))
-    monkeypatch.setattr(mla, "roofs", lambda rounds, device: {
+    monkeypatch.setattr(decode, "roofs", lambda rounds, device: {
         "copy_gbps": 4000.0, "copy": {}, "matmul_tflops": 700.0, "ridge": 175.0})
     monkeypatch.setattr("labkit.device.free_memory", lambda device: None)
     measured = mla.measure_decode(rounds=3, batch=2, ctx=64, device="cpu")
@@ -182,3 +183,25 @@ def test_prefill_flops_count_the_widths_each_path_runs():
     projections = 2 * 128 * (128 + 128) * 512
     assert f["absorbed"] - projections == 2 * 128 * (512 + 64 + 512)
     assert f["decompressed"] - projections == 2 * 128 * (256 + 256)  # 192 and 128 padded
+
+
+def test_the_byte_claims_fail_when_the_schemes_trade_places():
+    table = mla.scheme_table()
+    assert all(c.held for c in mla.bytes_claims(table, 64.0, 4096))
+    assert mla.per_byte_claim(table).held
+    swapped = table.copy()
+    swapped.iloc[[1, 3]] = table.iloc[[3, 1]].to_numpy()  # GQA's row where MLA's stands
+    assert not any(c.held for c in mla.bytes_claims(swapped, 64.0, 4096))
+    assert not mla.per_byte_claim(swapped).held
+
+
+def test_the_absorption_and_kernel_claims_fail_on_values_that_contradict_them():
+    check = {"score_diff": 1e-16, "output_diff": 1e-16, "output_scale": 2.0}
+    flops = mla.decode_step_flops(context=4096)
+    assert all(c.held for c in mla.absorption_claims(check, flops, 4096))
+    swapped = flops.assign(**{"total GFLOP": flops["total GFLOP"].to_numpy()[::-1]})
+    wrong = mla.absorption_claims({**check, "output_diff": 1e-3}, swapped, 4096)
+    assert not any(c.held for c in wrong), "an output off by 1e-3 and the paths' costs swapped"
+    kernel = {"rel_err": 2e-7, "tol": 1e-4, "dtype": "float32", "rank": 32, "rope": 16,
+              "heads": 4, "lens_q": [1, 3, 0, 21]}
+    assert mla.kernel_claim(kernel).held and not mla.kernel_claim({**kernel, "rel_err": 1e-3}).held

@@ -1,0 +1,194 @@
+"""MLA decode measured on a GPU: paged_mla_attention replayed from CUDA Graphs at DeepSeek-V3's
+widths beside GQA decode, against the copy bandwidth and a bf16 matmul timed in the same rounds
+(notebook 10, section 4; benchmarks/mla_decode.py)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+
+from labkit.lessons.mla.cache_bytes import mla_flops, roof_us
+from labkit.lessons.mla.shapes import BLOCK, RANK, ROPE, SCALE
+from labkit.teaching import claim
+
+
+def replayed(fn):
+    """A replay of ``fn`` captured; it holds ``fn`` (the graph holds no reference to the tensors
+    it reads and writes, so without it they would be freed and the replay read others' memory)."""
+    from labkit.graphs import capture_graph
+    graph, _ = capture_graph(fn)
+
+    def replay():
+        graph.replay()
+    replay.captured = fn
+    return replay
+
+
+def decode_inputs(batch: int, heads: int, ctx: int, seed=0, device="cuda") -> tuple:
+    """One decode step's tensors at DeepSeek-V3's widths, bf16: (q_latent, q_rope, latent_cache,
+    block_tables, cu_seqlens_q, seq_lens, out), every sequence ``ctx`` tokens long over blocks of
+    64 scattered across the cache."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per_seq = math.ceil(ctx / BLOCK)
+    table = torch.randperm(batch * per_seq, generator=g).reshape(batch, per_seq).int().to(device)
+    cache = torch.randn(table.numel(), BLOCK, RANK + ROPE, device=device, dtype=torch.bfloat16)
+    q_latent = torch.randn(batch, heads, RANK, device=device, dtype=torch.bfloat16)
+    q_rope = torch.randn(batch, heads, ROPE, device=device, dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return q_latent, q_rope, cache, table, cu, lens, torch.empty_like(q_latent)
+
+
+def latent_decode(batch: int, heads: int, ctx: int, num_splits: int | None = None, seed=0,
+                  device="cuda"):
+    """(a replay of one paged_mla_attention decode call on ``decode_inputs``, the bytes of
+    latent cache it reads)."""
+    from labkit.attention import paged_mla_attention
+    *args, out = decode_inputs(batch, heads, ctx, seed, device)
+    call = lambda: paged_mla_attention(*args, scale=SCALE, check=False, max_query_len=1,
+                                       num_splits=num_splits, out=out)
+    return replayed(call), batch * ctx * (RANK + ROPE) * 2
+
+
+def gqa_decode(batch: int, ctx: int, seed=0, device="cuda"):
+    """The same decode for a GQA model (32 query / 8 KV heads of 128, blocks of 16)."""
+    from labkit.attention import paged_attention
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per_seq = math.ceil(ctx / 16)
+    table = torch.randperm(batch * per_seq, generator=g).reshape(batch, per_seq).int().to(device)
+    k, v = (torch.randn(table.numel(), 16, 8, 128, device=device, dtype=torch.bfloat16)
+            for _ in range(2))
+    q = torch.randn(batch, 32, 128, device=device, dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    call = lambda: paged_attention(q, k, v, table, cu, lens, check=False, max_query_len=1)
+    return replayed(call), 2 * batch * ctx * 8 * 128 * 2
+
+
+def timed(cases: dict, nbytes: dict, rounds: int = 5, device="cuda") -> dict:
+    """Each case's microseconds and GB/s over interleaved rounds: medians with their ranges."""
+    from labkit.measure.rounds import Spread, interleaved
+    timings = interleaved(cases, rounds=rounds, device=device, warmup=3, repeats=20)
+    out = {}
+    for name in cases:
+        us = timings.us(name)
+        gbps = Spread.of([nbytes[name] / (t * 1e-6) / 1e9 for t in us.values])
+        out[name] = {"us": us.median, "us_range": [us.low, us.high],
+                     "gbps": gbps.median, "gbps_range": [gbps.low, gbps.high],
+                     "gbps_rounds": list(gbps.values)}
+    return out
+
+
+def roofs(rounds: int = 5, device="cuda") -> dict:
+    """The two ceilings, timed here: a 2 GiB device copy (read + write counted) and a bf16
+    8192^3 matmul. Returns copy GB/s (median and range), matmul TFLOP/s, and the ridge."""
+    from labkit.measure.rounds import interleaved
+    n = 2 * 2**30
+    src = torch.empty(n // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy = timed({"copy": lambda: dst.copy_(src)}, {"copy": 2 * n}, rounds, device)["copy"]
+    del src, dst
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    mm = interleaved({"mm": lambda: a @ b}, rounds=rounds, device=device, warmup=3, repeats=20)
+    matmul_tflops = 2 * 8192 ** 3 / (mm.us("mm").median * 1e6)
+    return {"copy_gbps": copy["gbps"], "copy": copy, "matmul_tflops": matmul_tflops,
+            "ridge": matmul_tflops * 1e3 / copy["gbps"]}
+
+
+def rate(results: dict, shapes: dict, roof: dict) -> dict:
+    """Adds to each timed case its share of the copy bandwidth per round (median and range)
+    and, for MLA cases (``shapes``: name -> (batch, heads, ctx)), TFLOP/s, FLOPs per byte and
+    the share of the tighter roof."""
+    from labkit.measure.rounds import Spread
+    for name, r in results.items():
+        share = Spread.of([g / roof["copy_gbps"] for g in r["gbps_rounds"]])
+        r["copy_share"], r["copy_share_range"] = share.median, [share.low, share.high]
+        if name in shapes:
+            flops = mla_flops(*shapes[name])
+            nbytes = r["gbps"] * 1e3 * r["us"]
+            r["tflops"] = flops / (r["us"] * 1e6)
+            r["flops_per_byte"] = flops / nbytes
+            r["roof_us"] = roof_us(nbytes, flops, roof["copy_gbps"], roof["matmul_tflops"])
+            r["roof_share"] = r["roof_us"] / r["us"]
+    return results
+
+
+def measure_decode(rounds: int = 5, batch: int = 64, ctx: int = 4096, heads=(16, 128),
+                   device="cuda") -> dict:
+    """MLA decode at ``heads`` and GQA decode at ``batch`` x ``ctx``, in the same interleaved
+    rounds, rated against roofs timed just before."""
+    from labkit.device import free_memory
+    roof = roofs(rounds, device)
+    cases, nbytes, shapes = {}, {}, {}
+    for h in heads:
+        name = f"MLA {h} heads"
+        cases[name], nbytes[name] = latent_decode(batch, h, ctx, device=device)
+        shapes[name] = (batch, h, ctx)
+    cases["GQA 32/8 heads of 128"], nbytes["GQA 32/8 heads of 128"] = gqa_decode(
+        batch, ctx, device=device)
+    results = rate(timed(cases, nbytes, rounds, device), shapes, roof)
+    del cases
+    free_memory(device)
+    return {**roof, "rounds": rounds, "batch": batch, "ctx": ctx, "cases": results}
+
+
+def decode_table(measured: dict) -> pd.DataFrame:
+    """One row per case: time, GB/s and share of copy with ranges, TFLOP/s, share of roof."""
+    rows = []
+    for name, r in measured["cases"].items():
+        rows.append({"case": name, "us": r["us"],
+                     "us range": f"{r['us_range'][0]:.1f}-{r['us_range'][1]:.1f}",
+                     "GB/s": r["gbps"], "of copy": r["copy_share"],
+                     "of copy range": "{:.0%}-{:.0%}".format(*r["copy_share_range"]),
+                     "TFLOP/s": r.get("tflops", math.nan),
+                     "FLOPs per byte": r.get("flops_per_byte", math.nan),
+                     "of the tighter roof": r.get("roof_share", math.nan)})
+    return pd.DataFrame(rows).set_index("case")
+
+
+def decode_claims(measured: dict, recorded=None) -> list:
+    """What the measured decode shows: 16 heads under the ridge and bound by bytes, 128 heads
+    over it and bound by FLOPs, and the whole range of rounds behind each statement."""
+    cases, ridge = measured["cases"], measured["ridge"]
+    low, high = cases["MLA 16 heads"], cases["MLA 128 heads"]
+    where = recorded.label if recorded is not None else "measured here"
+    return [
+        claim("MLA decode at 16 heads does {i:.0f} FLOPs per byte, under the ridge of {ridge:.0f}:"
+              " it read the latent cache at {lo:.0%}-{hi:.0%} of the copy bandwidth over the "
+              "rounds ({where}).", low["flops_per_byte"] < ridge, i=low["flops_per_byte"],
+              ridge=ridge, lo=low["copy_share_range"][0], hi=low["copy_share_range"][1],
+              where=where, recorded=recorded),
+        claim("At 128 heads the same cache costs {i:.0f} FLOPs per byte, over the ridge: the "
+              "tensor cores bound it, so it reads only {lo:.0%}-{hi:.0%} of copy bandwidth while "
+              "doing {tf:.0f} TFLOP/s, {roof:.0%} of the time the tighter roof allows.",
+              high["flops_per_byte"] > ridge and high["copy_share_range"][1]
+              < low["copy_share_range"][0], i=high["flops_per_byte"],
+              lo=high["copy_share_range"][0], hi=high["copy_share_range"][1], tf=high["tflops"],
+              roof=high["roof_share"], recorded=recorded),
+    ]
+
+
+def roofline_figure(measured: dict, where: str):
+    """Each measured decode on the roofline: TFLOP/s against FLOPs per byte, under the two
+    roofs timed in the same run."""
+    import numpy as np
+    import plotly.graph_objects as go
+    copy, peak = measured["copy_gbps"], measured["matmul_tflops"]
+    x = np.logspace(0, 3.5, 60)
+    fig = go.Figure(go.Scatter(x=x, y=np.minimum(copy * x / 1e3, peak), mode="lines",
+                               name="roof: min(copy x intensity, matmul)",
+                               line=dict(color="#444")))
+    for name, r in measured["cases"].items():
+        if "flops_per_byte" in r:
+            fig.add_trace(go.Scatter(x=[r["flops_per_byte"]], y=[r["tflops"]],
+                                     mode="markers+text", text=[name], name=name,
+                                     textposition="top center", marker=dict(size=12)))
+        else:  # GQA: 2 * 32 / 8 FLOPs per byte for 32 query heads over 8 KV heads in bf16
+            fig.add_trace(go.Scatter(x=[4.0], y=[4.0 * r["gbps"] / 1e3], mode="markers+text",
+                                     text=[name], name=name, textposition="bottom center",
+                                     marker=dict(size=12)))
+    fig.update_layout(title=f"MLA and GQA decode on the roofline ({where})", height=460,
+                      xaxis_type="log", yaxis_type="log", xaxis_title="FLOPs per byte",
+                      yaxis_title="TFLOP/s", showlegend=False)
+    return fig
