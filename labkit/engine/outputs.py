@@ -10,8 +10,19 @@ FINISH_REASONS = {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "leng
                   Status.FINISHED_ERROR: "error"}
 
 
+class AcceptedDrafts:
+    """``mean_accepted_length`` of anything that counts ``num_spec_verifies`` and
+    ``num_spec_accepted`` (one request's output, or the engine's totals)."""
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per verify row (NaN without one)."""
+        return self.num_spec_accepted / self.num_spec_verifies if self.num_spec_verifies \
+            else math.nan
+
+
 @dataclass
-class RequestOutput:
+class RequestOutput(AcceptedDrafts):
     index: int                       # position in the prompts given to generate()
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -34,12 +45,6 @@ class RequestOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Accepted draft tokens per verify row (NaN without one)."""
-        return self.num_spec_accepted / self.num_spec_verifies if self.num_spec_verifies \
-            else math.nan
 
     @property
     def forwards_per_token(self) -> float:
@@ -76,7 +81,7 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class EngineStats:
+class EngineStats(AcceptedDrafts):
     num_steps: int
     num_graph_steps: int             # steps that replayed a full decode graph
     prefill_tokens: int
@@ -89,12 +94,6 @@ class EngineStats:
     num_spec_proposed: int = 0       # draft tokens verified (speculative decoding)
     num_spec_accepted: int = 0       # of those, the ones the target agreed with
     num_spec_verifies: int = 0       # verify rows (one per request per step with drafts)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Accepted draft tokens per verify row (NaN without one)."""
-        return self.num_spec_accepted / self.num_spec_verifies if self.num_spec_verifies \
-            else math.nan
 
     @property
     def prefix_hit_rate(self) -> float:
