@@ -205,3 +205,9 @@ def test_the_absorption_and_kernel_claims_fail_on_values_that_contradict_them():
     kernel = {"rel_err": 2e-7, "tol": 1e-4, "dtype": "float32", "rank": 32, "rope": 16,
               "heads": 4, "lens_q": [1, 3, 0, 21]}
     assert mla.kernel_claim(kernel).held and not mla.kernel_claim({**kernel, "rel_err": 1e-3}).held
+
+
+def test_a_range_reads_as_one_share_when_its_ends_round_alike():
+    from labkit.lessons.mla.decode import share_span
+    assert share_span(0.571, 0.574) == "57%"
+    assert share_span(0.56, 0.58) == "56%-58%"

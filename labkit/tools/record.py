@@ -29,6 +29,7 @@ RECORDERS: dict[str, dict[str, str]] = {
     "putting_it_together": {"experiment": "labkit.lessons.putting_it_together.experiment:record",
                             "engine": "benchmarks.engine:record"},
     "multi_gpu_overlap": {"tp_mlp": "labkit.lessons.multi_gpu_overlap:record"},
+    "mla": {"decode": "benchmarks.mla_decode:record"},
 }
 
 

@@ -147,24 +147,28 @@ def decode_table(measured: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("case")
 
 
+def share_span(lo: float, hi: float) -> str:
+    """A range of shares as a reader takes it in: "57%" when both ends round alike."""
+    a, b = f"{lo:.0%}", f"{hi:.0%}"
+    return a if a == b else f"{a}-{b}"
+
+
 def decode_claims(measured: dict, recorded=None) -> list:
     """What the measured decode shows: 16 heads under the ridge and bound by bytes, 128 heads
     over it and bound by FLOPs, and the whole range of rounds behind each statement."""
     cases, ridge = measured["cases"], measured["ridge"]
     low, high = cases["MLA 16 heads"], cases["MLA 128 heads"]
-    where = recorded.label if recorded is not None else "measured here"
     return [
         claim("MLA decode at 16 heads does {i:.0f} FLOPs per byte, under the ridge of {ridge:.0f}:"
-              " it read the latent cache at {lo:.0%}-{hi:.0%} of the copy bandwidth over the "
-              "rounds ({where}).", low["flops_per_byte"] < ridge, i=low["flops_per_byte"],
-              ridge=ridge, lo=low["copy_share_range"][0], hi=low["copy_share_range"][1],
-              where=where, recorded=recorded),
+              " it read the latent cache at {span} of the copy bandwidth over the rounds.",
+              low["flops_per_byte"] < ridge, i=low["flops_per_byte"], ridge=ridge,
+              span=share_span(*low["copy_share_range"]), recorded=recorded),
         claim("At 128 heads the same cache costs {i:.0f} FLOPs per byte, over the ridge: the "
-              "tensor cores bound it, so it reads only {lo:.0%}-{hi:.0%} of copy bandwidth while "
-              "doing {tf:.0f} TFLOP/s, {roof:.0%} of the time the tighter roof allows.",
+              "tensor cores bound it, so it reads only {span} of copy bandwidth while doing "
+              "{tf:.0f} TFLOP/s, {roof:.0%} of the tighter of the two roofs.",
               high["flops_per_byte"] > ridge and high["copy_share_range"][1]
               < low["copy_share_range"][0], i=high["flops_per_byte"],
-              lo=high["copy_share_range"][0], hi=high["copy_share_range"][1], tf=high["tflops"],
+              span=share_span(*high["copy_share_range"]), tf=high["tflops"],
               roof=high["roof_share"], recorded=recorded),
     ]
 
