@@ -97,6 +97,18 @@ def test_context_must_be_passed_exactly_when_the_pool_has_context_buckets():
         pool(torch.zeros(1, 2))
 
 
+def test_a_pool_that_cannot_capture_still_refuses_inputs_a_graph_would_refuse():
+    """Without CUDA, capture() keeps the inputs' spec and every call is checked against it:
+    an engine that hands the pool a block table of the wrong width fails on CPU as on a GPU."""
+    pool = GraphPool(rowwise, buckets=(1, 2, 4), enabled=False)
+    pool.capture(torch.zeros(1, 8), torch.zeros(1, 8))
+    x, w = torch.randn(3, 8), torch.randn(3, 8)
+    torch.testing.assert_close(pool(x, w)[0], rowwise(x, w)[0])
+    with pytest.raises(ValueError, match=r"input 1 is \(3, 5\).*captured for \(batch, \*\(8,\)\)"):
+        pool(x, torch.randn(3, 5))
+    assert pool.stats.eager_calls == 1 and pool.stats.replays == 0
+
+
 def test_key_for_picks_the_smallest_bucket_that_holds_the_batch():
     pool = GraphPool(rowwise, buckets=(8, 1, 4), context_buckets=(512, 4096), enabled=False)
     assert pool.key_for(3, 100) == (4, 512)

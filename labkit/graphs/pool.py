@@ -161,12 +161,14 @@ class GraphPool:
         return self.fn(*args, context_bucket=context_bucket)
 
     def capture(self, *example_inputs: torch.Tensor) -> PoolStats:
-        """Capture every key, largest first, sharing one memory pool. Inputs give the spec."""
-        if not self.enabled:
-            return self.stats
+        """Capture every key, largest first, sharing one memory pool. Inputs give the spec.
+        A pool that cannot capture (no CUDA device) still keeps the spec and checks every call
+        against it, so an input a graph would refuse is refused on a laptop too."""
         if self._graphs:
             raise RuntimeError("this pool is already captured; make a new GraphPool to re-capture")
         self._spec = [(tuple(x.shape[1:]), x.dtype, x.device) for x in example_inputs]
+        if not self.enabled:
+            return self.stats
         if any(x.device.type != "cuda" for x in example_inputs):
             raise ValueError("GraphPool inputs must be CUDA tensors; got devices "
                              f"{[str(x.device) for x in example_inputs]}")
@@ -247,6 +249,8 @@ class GraphPool:
         if (context is None) != (self.context_buckets is None):
             raise ValueError("pass context= exactly when the pool has context_buckets")
         if not self.enabled:
+            if self._spec is not None:
+                self._check(inputs)
             return self._eager(inputs, context, "no CUDA device")
         if not self._graphs:
             self.capture(*inputs)
