@@ -15,6 +15,10 @@
   default on CUDA, as vLLM V1's.
 * ``"none"``: every step eager (``enforce_eager=True``).
 
+With speculative decoding, the two full modes also capture a full graph per (request bucket,
+k + 1) for steps whose every row verifies k drafts (``labkit.engine.verify_graphs``); other
+verify steps run as the mode runs any step that is not uniform decode.
+
 On CPU the default is ``"none"``; ``"piecewise"`` captures with labkit's CPU stand-in
 (``labkit.graphs.emulated_cuda``): no faster, but frozen the same way, so a piece that read a
 value back to the host or a buffer it does not own fails on a laptop as on a GPU.
@@ -135,21 +139,27 @@ def capture_compiled_piecewise(compiled, buckets: Sequence[int], device: torch.d
 
 
 def graph_memory(graphs: GraphPool | None, piecewise: PiecewiseGraphs | None,
-                 pieces: PiecewiseForward | None) -> list[dict]:
-    """Per kind of graph captured ("full" decode graphs, "piecewise"): the graph count, capture
-    ms, and device memory predicted before capture against what the capture took (pool and
-    static buffers, bytes; the prediction None where none was made). ``pieces``: what holds
-    the piecewise graphs' static buffers (``PiecewiseForward``, or ``CompiledPiecewise``
-    itself)."""
+                 pieces: PiecewiseForward | None, verify: GraphPool | None = None) -> list[dict]:
+    """Per kind of graph captured ("full" decode graphs, "piecewise", "full verify"): the graph
+    count, capture ms, and device memory predicted before capture against what the capture
+    took (pool and static buffers, bytes; the prediction None where none was made).
+    ``pieces``: what holds the piecewise graphs' static buffers (``PiecewiseForward``, or
+    ``CompiledPiecewise`` itself). ``verify``: the pool of the verify graphs
+    (``VerifyGraphs.pool``)."""
+    def full(kind: str, pool: GraphPool) -> dict:
+        st = pool.stats
+        return {"graphs": kind, "count": len(pool.keys()), "capture_ms": st.capture_ms,
+                "predicted_bytes": st.predicted_bytes, "measured_bytes": st.captured_bytes}
+
     rows = []
     if graphs is not None:
-        st = graphs.stats
-        rows.append({"graphs": "full", "count": len(graphs.keys()), "capture_ms": st.capture_ms,
-                     "predicted_bytes": st.predicted_bytes, "measured_bytes": st.captured_bytes})
+        rows.append(full("full", graphs))
     if piecewise is not None:
         st, static = piecewise.stats, pieces.static_bytes
         rows.append({"graphs": "piecewise", "count": st.num_graphs, "capture_ms": st.capture_ms,
                      "predicted_bytes": None if st.predicted_bytes is None
                      else st.predicted_bytes + static,
                      "measured_bytes": st.pool_bytes + static})
+    if verify is not None:
+        rows.append(full("full verify", verify))
     return rows

@@ -52,28 +52,35 @@ class RequestOutput(AcceptedDrafts):
         return self.num_forwards / len(self.token_ids) if self.token_ids else math.nan
 
 
+GRAPH_KINDS = ("full", "full verify", "piecewise", "eager")  # how a step ran (StepRecord.graph)
+
+
 @dataclass(frozen=True)
 class StepRecord:
     stats: StepStats
-    graph_batch: int | None          # the full graph's batch bucket a decode step replayed
+    graph_batch: int | None          # the request bucket a full (decode or verify) graph replayed
     start_s: float                   # on the engine's clock
     end_s: float                     # after the device finished the step and its sampling
     graph_tokens: int | None = None  # the token bucket piecewise graphs replayed at
+    graph_query_len: int | None = None  # a full verify graph's tokens per row (k + 1)
 
     @property
     def graph(self) -> str:
-        """How the step ran: "full", "piecewise" or "eager"."""
+        """How the step ran (``GRAPH_KINDS``): "full" (a decode graph), "full verify" (a verify
+        graph: every row k + 1 tokens), "piecewise" or "eager"."""
         if self.graph_batch is not None:
-            return "full"
+            return "full" if self.graph_query_len is None else "full verify"
         return "eager" if self.graph_tokens is None else "piecewise"
 
     @property
     def padded_tokens(self) -> int:
-        """Tokens computed and dropped: a decode step's padding rows (one token each) or the
-        padding up to the piecewise token bucket."""
+        """Tokens computed and dropped: a full graph's padding rows (one token each in a decode
+        graph, k + 1 in a verify graph) or the padding up to the piecewise token bucket."""
         if self.graph_tokens is not None:
             return self.graph_tokens - self.stats.num_tokens
-        return self.stats.padded_rows if self.graph_batch is not None else 0
+        if self.graph_batch is None:
+            return 0
+        return self.stats.padded_rows * (self.graph_query_len or 1)
 
     @property
     def duration_s(self) -> float:
@@ -83,7 +90,7 @@ class StepRecord:
 @dataclass(frozen=True)
 class EngineStats(AcceptedDrafts):
     num_steps: int
-    num_graph_steps: int             # steps that replayed a full decode graph
+    num_graph_steps: int             # steps that replayed a full graph (decode or verify)
     prefill_tokens: int
     decode_tokens: int
     padded_rows: int

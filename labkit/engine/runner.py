@@ -11,7 +11,8 @@ For each step it
 ``cudagraph_mode`` says which steps replay CUDA Graphs (``labkit.engine.cudagraphs``: the four
 modes, and capturing the graphs): decode-only steps replay full graphs per batch bucket, other
 steps piecewise graphs per token bucket with attention eager between them, or every step runs
-eagerly.
+eagerly. With speculative decoding and full graphs, a step whose every row verifies k drafts
+replays a full graph per (request bucket, k + 1) (``labkit.engine.verify_graphs``).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from labkit.engine.pieces import PiecewiseForward
 from labkit.engine.request import ScheduledStep
 from labkit.engine.step_attention import StepAttention
 from labkit.engine.step_metadata import StepMetadata, build_step_metadata
+from labkit.engine.verify_graphs import VerifyGraphs
 from labkit.graphs import DEFAULT_BUCKETS, GraphPool
 from labkit.graphs.buckets import check_buckets
 from labkit.graphs.piecewise import PiecewiseGraphs, default_token_buckets
@@ -80,8 +82,9 @@ def choose_backend(spec: AttentionSpec, backend: str = "auto") -> tuple[Backend,
 @dataclass(frozen=True)
 class StepOutput:
     logits: torch.Tensor          # [num_sampled, vocab], rows in step order
-    graph_batch: int | None       # the bucket a full decode graph replayed at, or None
+    graph_batch: int | None       # the bucket a full (decode or verify) graph replayed at
     graph_tokens: int | None = None  # the token bucket piecewise graphs replayed at, or None
+    graph_query_len: int | None = None  # a full verify graph's tokens per row (k + 1), or None
 
 
 class ModelRunner(StepAttention):
@@ -92,7 +95,8 @@ class ModelRunner(StepAttention):
                  decode_buckets: tuple[int, ...] | None = None, fused_ops: bool | None = None,
                  cudagraph_mode: str | None = None, token_buckets: tuple[int, ...] | None = None,
                  max_num_batched_tokens: int = 2048,
-                 decode_context_buckets: tuple[int, ...] | None = None, compile: bool = False):
+                 decode_context_buckets: tuple[int, ...] | None = None, compile: bool = False,
+                 num_speculative_tokens: int | None = None):
         c = model.config
         self.model = model
         # The layer ops of every step and of every captured graph; None: the model's own choice.
@@ -137,8 +141,10 @@ class ModelRunner(StepAttention):
             self.staging = PinnedStagingPool(num_buffers=2, device=self.device)
         self.decode_buckets: tuple[int, ...] | None = None
         self.graphs: GraphPool | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         buckets = tuple(sorted(set(decode_buckets or (
             *[b for b in DEFAULT_BUCKETS if b < max_num_seqs], max_num_seqs))))
+        self.batch_buckets = buckets  # requests a full graph is captured for: decode, verify
         # cu_seqlens_q of a decode batch is 0, 1, ..., B: one constant, sliced per bucket.
         self._cu_arange = torch.arange(max(buckets[-1], max_num_seqs) + 1, dtype=torch.int32,
                                        device=self.device)
@@ -165,6 +171,8 @@ class ModelRunner(StepAttention):
             else:
                 self.pieces, self.piecewise = capture_piecewise_graphs(
                     self.model, self.fused_ops, token_buckets, self.cache)
+        if num_speculative_tokens is not None and self.use_graphs:
+            self.capture_verify_graphs(num_speculative_tokens)
 
     def _choose_backend(self, backend: str, block_size: int):
         """Full graphs capture attention, so they need a backend that can be captured;
@@ -259,7 +267,10 @@ class ModelRunner(StepAttention):
                 context = md.max_seqlen_k
             key = self.graphs.key_for(len(step.rows), context)
             graph_batch = key[0] if key is not None else None
+        verify = None if self.verify_graphs is None else self.verify_graphs.key_for(step)
         dev = self.to_device(md, prev_tokens)
+        if verify is not None:
+            return StepOutput(self.verify_graphs(dev), verify[0], graph_query_len=verify[1])
         tokens = md.num_tokens
         if graph_batch is None and self.piecewise is not None and \
                 (bucket := self.piecewise.bucket_for(tokens)) is not None:
@@ -293,7 +304,23 @@ class ModelRunner(StepAttention):
     # ------------------------------------------------------------------ CUDA Graphs
     def graph_memory(self) -> list[dict]:
         """``cudagraphs.graph_memory`` of this runner's graphs."""
-        return graph_memory(self.graphs, self.piecewise, self.pieces or self.piecewise)
+        return graph_memory(self.graphs, self.piecewise, self.pieces or self.piecewise,
+                            None if self.verify_graphs is None else self.verify_graphs.pool)
+
+    def capture_verify_graphs(self, num_speculative_tokens: int) -> VerifyGraphs:
+        """Full graphs of uniform verify steps (k = ``num_speculative_tokens`` drafts a row),
+        one per request bucket of the decode graphs. Off a GPU nothing is captured: the pool
+        checks each call's shapes and runs ``verify_forward`` eagerly (how CPU tests take the
+        branch)."""
+        check_positive_int("num_speculative_tokens", num_speculative_tokens,
+                           hint="k, the draft tokens each verify row checks")
+        if self.verify_graphs is not None:
+            raise RuntimeError("this runner's verify graphs are captured already")
+        graphs = VerifyGraphs(self.verify_forward, self.decode_buckets or self.batch_buckets,
+                              num_speculative_tokens + 1, self.max_blocks_per_seq, self.device)
+        graphs.capture()
+        self.verify_graphs = graphs
+        return graphs
 
     def decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
                        context_bucket: int | None = None):
@@ -312,6 +339,19 @@ class ModelRunner(StepAttention):
                             self._cu_arange[:batch])
         hidden = self._hidden_states(md.input_ids, md.positions, self._attention(md, 1))
         return self.model.compute_logits(hidden)
+
+    def verify_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+        """k + 1 tokens a row, causal within it: [B, k + 1] x 3, [B, max_blocks], [B] ->
+        logits [B, k + 1, vocab]. Captured per request bucket as ``decode_forward`` is: no value
+        read back to the host; PAD rows write no slot (their lengths clamp to 0, so they read
+        no key either) and are dropped."""
+        batch, q = input_ids.shape
+        md = DeviceMetadata(input_ids.flatten().clamp(min=0), positions.flatten().clamp(min=0),
+                            slot_mapping.flatten(), self._cu_arange[:batch + 1] * q,
+                            seq_lens.clamp(min=0), block_tables,
+                            None)  # logits_indices: every position samples
+        hidden = self._hidden_states(md.input_ids, md.positions, self._attention(md, q))
+        return self.model.compute_logits(hidden).view(batch, q, -1)
 
     def _hidden_states(self, input_ids, positions, attention) -> torch.Tensor:
         """The forward, compiled (``compile=True``) or with this runner's layer ops."""

@@ -314,8 +314,11 @@ class Scheduler(StepResults):
         prefill = [r for r in rows if r.is_prefill]
         decode = [r for r in rows if not r.is_prefill]
         padded = 0
-        buckets = self.config.decode_buckets
-        if buckets and decode and not prefill and not any(r.num_draft for r in decode):
+        buckets, spec = self.config.decode_buckets, self.config.speculative
+        # full graphs replay uniform decode, and uniform verify (every row k drafts)
+        uniform = {0, spec.num_speculative_tokens} if spec is not None else {0}
+        if buckets and decode and not prefill and len({r.num_draft for r in decode}) == 1 \
+                and decode[0].num_draft in uniform:
             bucket = bucket_for(len(decode), buckets, default=None)  # None: too big, eager
             padded = 0 if bucket is None else bucket - len(decode)
         return StepStats(self._next_step, sum(r.num_tokens for r in prefill),

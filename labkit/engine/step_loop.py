@@ -7,6 +7,11 @@ the device never waits for Python between steps. Each step's samples go to the h
 non-blocking copy into one of two pinned buffers (step N's and step N+1's), and a token's time
 is taken when the host has read it.
 
+With speculative decoding under full CUDA Graphs, the verify graphs (one per request bucket,
+for k + 1 tokens a row: ``labkit.engine.verify_graphs``) are captured before the first step,
+since the runner is built before the scheduler that knows k; each step's record says which kind
+of graph it replayed (``StepRecord.graph``), and ``graph_steps`` counts them.
+
 A step that fails is undone (``Scheduler.abort_step``) before the error propagates; then
 ``generate`` drops its requests (``_abort_all``).
 
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit.engine.outputs import RequestOutput, StepRecord
+from labkit.engine.outputs import GRAPH_KINDS, RequestOutput, StepRecord
 from labkit.engine.request import Request, ScheduledStep
 from labkit.engine.sampling import SamplingParams
 from labkit.engine.speculative import sample_with_drafts
@@ -46,6 +51,7 @@ class LaunchedStep:
     graph_batch: int | None
     start_s: float
     graph_tokens: int | None = None
+    graph_query_len: int | None = None
 
 
 class StepLoop:
@@ -60,6 +66,7 @@ class StepLoop:
         update N; so the host's scheduling and metadata copy overlap the device's compute.
         """
         finished = [self._finished.pop(rid) for rid in list(self._finished)]
+        self._capture_verify_graphs()
         launched = None
         if self.scheduler.has_unfinished_requests():
             step = self.scheduler.schedule()
@@ -98,7 +105,8 @@ class StepLoop:
         if self.device.type == "cuda":
             buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
             host = start_copy_to_host(tokens, buf[:tokens.numel()])
-        return LaunchedStep(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens)
+        return LaunchedStep(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens,
+                            out.graph_query_len)
 
     def _complete(self, done: LaunchedStep) -> list[RequestOutput]:
         sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
@@ -111,8 +119,24 @@ class StepLoop:
                 new = len(entry.request.output_token_ids) - n
                 entry.token_times_s += [end - entry.arrival_s] * new
         self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
-                                            end, done.graph_tokens))
+                                            end, done.graph_tokens, done.graph_query_len))
         return [self._output(self._live.pop(r.request_id)) for r in finished]
+
+    def _capture_verify_graphs(self) -> None:
+        """Full graphs of uniform verify steps, once, where speculation runs under full graphs
+        (``ModelRunner.use_graphs``: the full modes, on CUDA)."""
+        spec = self.scheduler.config.speculative
+        if spec is not None and self.runner.use_graphs and self.runner.verify_graphs is None:
+            self.runner.capture_verify_graphs(spec.num_speculative_tokens)
+
+    @property
+    def graph_steps(self) -> dict[str, int]:
+        """Steps run so far by how they ran (``StepRecord.graph``): "full" (a decode graph),
+        "full verify" (a verify graph), "piecewise", "eager"."""
+        counts = dict.fromkeys(GRAPH_KINDS, 0)
+        for record in self.step_history:
+            counts[record.graph] += 1
+        return counts
 
     def _abort_all(self) -> None:
         """After a failed step: finish what is in flight if it can, drop every request."""
