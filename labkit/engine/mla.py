@@ -15,6 +15,8 @@ so attention can run two ways, which give the same numbers:
 - ``absorbed``: fold ``W_UK`` into the query, attend straight over the paged latent cache
   (``paged_mla_attention``, one shared 576-wide row per token, MQA-like), apply ``W_UV`` to the
   latent output. Decode does this: it reads the cache once per step, never per head.
+A paged step splits its sequences between the two by their new tokens
+(``labkit.engine.mla_prefill``).
 
 Parameter names are transformers' ``DeepseekV3ForCausalLM``'s, so its state dict loads as is.
 RoPE follows it too: with ``rope_interleave`` the rotary dims come in adjacent pairs.
@@ -25,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.attention import paged_mla_attention
+from labkit.attention import BACKENDS
 from labkit.engine.config import ModelConfig
+from labkit.engine.mla_prefill import (DECOMPRESS_MIN_NEW_TOKENS, causal_attention_varlen,
+                                       latent_step_attention)
 from labkit.engine.model import model_dtype, rope_inv_freq
 from labkit.kernels.layer_ops import apply_rope, rms_norm, rope_cos_sin
 from labkit.kernels.store_kv import store_kv_ref
@@ -79,18 +83,6 @@ def slot_mapping(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     return blocks * block_size + positions % block_size
 
 
-def causal_attention_varlen(q, k, v, cu_seqlens, scale):
-    """q, k: [T, H, D]; v: [T, H, Dv] packed sequences -> [T, H, Dv], in float32."""
-    out = torch.zeros(*q.shape[:2], v.shape[-1], dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        s = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * scale
-        future = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).triu(1)
-        probs = s.masked_fill(future, float("-inf")).softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v[start:end].float())
-    return out
-
-
 class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
@@ -133,31 +125,43 @@ class MLAAttention(nn.Module):
                                        c.kv_lora_rank)
         return w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
 
-    def decompressed(self, x: torch.Tensor, rotary, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] packed whole sequences (cu_seqlens: [B + 1]) -> [T, hidden]: keys and
-        values up-projected per head, then ordinary causal attention (the prefill path)."""
+    def fold_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, nope + rope] -> [T, H, rank + rope]: W_UK folded into q_nope (absorbed)."""
         c = self.config
-        q_nope, q_pe, c_kv, k_pe = self.project(x, rotary)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        w_uk, _ = self.up_projections()
+        return torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
+
+    def unfold_output(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """The absorbed attention's latent output [T, H, rank] -> [T, H, v_head_dim]: W_UV."""
+        _, w_uv = self.up_projections()
+        return torch.einsum("thr,hvr->thv", out_latent, w_uv)
+
+    def decompress(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [S, rank + rope] (c_kv then k_pe) -> per-head keys [S, H, nope + rope]
+        (the rope key shared by every head) and values [S, H, v_head_dim]: kv_b_proj."""
+        c = self.config
+        c_kv, k_pe = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(-1, self.heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        out = causal_attention_varlen(q, k, v, cu_seqlens, self.scale).to(x.dtype)
-        return self.o_proj(out.flatten(1))
+        return torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.heads, -1)], dim=-1), v
 
-    def absorbed(self, x: torch.Tensor, rotary, latent_cache: torch.Tensor,
-                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                 seq_lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden], a step's new tokens -> [T, hidden]. Their latents are stored at
-        ``slots`` first; then attention over latent_cache [num_blocks, block_size, rank + rope]
-        with W_UK folded into the query and W_UV applied after (the decode path)."""
-        rank = self.config.kv_lora_rank
+    def decompressed(self, x: torch.Tensor, rotary, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] packed whole sequences (cu_seqlens: [B + 1]) -> [T, hidden]: keys and
+        values up-projected per head, then ordinary causal attention: the reference."""
+        q, latent = self.to_heads(x, rotary)
+        k, v = self.decompress(latent[:, 0])
+        return self.from_heads(causal_attention_varlen(q, k, v, cu_seqlens, self.scale))
 
-        def attend(q, latent):
-            write_latents(latent_cache, slots, latent[:, 0, :rank], latent[:, 0, rank:])
-            return paged_mla_attention(q[..., :rank], q[..., rank:], latent_cache, block_tables,
-                                       cu_seqlens_q, seq_lens, scale=self.scale)
-        return self.through_latent(x, rotary, attend)
+    def to_heads(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (q = [q_nope ; q_pe] [T, H, nope + rope], the step's latent rows
+        [T, 1, rank + rope]): everything before attention, token by token."""
+        q_nope, q_pe, c_kv, k_pe = self.project(x, rotary)
+        return torch.cat([q_nope, q_pe], dim=-1), torch.cat([c_kv, k_pe], dim=-1)[:, None, :]
+
+    def from_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's per-head output [T, H, v_head_dim] -> [T, hidden]: o_proj."""
+        return self.o_proj(out.to(self.o_proj.weight.dtype).flatten(1))
 
     def through_latent(self, x: torch.Tensor, rotary, attend) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] with attention over the latent cache done by
@@ -169,16 +173,12 @@ class MLAAttention(nn.Module):
     def to_latent(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (q [T, H, rank + rope] with W_UK folded in, the step's latent rows
         [T, 1, rank + rope]): everything before attention, token by token."""
-        q_nope, q_pe, c_kv, k_pe = self.project(x, rotary)
-        w_uk, _ = self.up_projections()
-        q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
-        return q, torch.cat([c_kv, k_pe], dim=-1)[:, None, :]
+        q, latent = self.to_heads(x, rotary)
+        return self.fold_query(q), latent
 
     def from_latent(self, out_latent: torch.Tensor) -> torch.Tensor:
         """Attention's latent output [T, H, rank] -> [T, hidden]: W_UV, then o_proj."""
-        _, w_uv = self.up_projections()
-        out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v_head_dim]
-        return self.o_proj(out.flatten(1))
+        return self.from_heads(self.unfold_output(out_latent))
 
 
 class MLP(nn.Module):
@@ -222,8 +222,10 @@ class MLALayer(nn.Module):
 
 class MLAModel(nn.Module):
     """A dense DeepSeek-V2/V3-style decoder. ``forward`` runs the decompressed path over whole
-    sequences; ``forward_paged`` runs one engine step through the absorbed path over a paged
-    latent cache. Parameters are allocated, not initialised: load a state dict.
+    sequences; ``forward_paged`` runs one engine step over a paged latent cache, each sequence
+    on its path (``labkit.engine.mla_prefill``): absorbed, or decompressed where it has at
+    least ``decompress_min_tokens`` new tokens (None: never). Parameters are allocated, not
+    initialised: load a state dict.
 
     The engine runs it through ``hidden_states`` and ``compute_logits``, as it runs LlamaModel:
     each layer hands the engine's attention function the folded query and the step's latent
@@ -237,6 +239,7 @@ class MLAModel(nn.Module):
             raise ValueError("MLAModel needs a multi-head latent attention config (kv_lora_rank "
                              "and the rest given); a Llama-style config builds LlamaModel")
         self.config = config
+        self.decompress_min_tokens: int | None = DECOMPRESS_MIN_NEW_TOKENS
         kw = dict(device=device, dtype=model_dtype(config, dtype))
         self.model = nn.Module()  # transformers' nesting, so state dict names match
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
@@ -258,6 +261,9 @@ class MLAModel(nn.Module):
     @property
     def attention_scale(self) -> float:
         return self.model.layers[0].self_attn.scale
+
+    def attention_layer(self, layer: int) -> MLAAttention:
+        return self.model.layers[layer].self_attn
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, *,
                       fused_ops: bool | None = None) -> torch.Tensor:
@@ -307,22 +313,35 @@ class MLAModel(nn.Module):
     @torch.inference_mode()
     def forward_paged(self, input_ids: torch.Tensor, latent_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      seq_lens: torch.Tensor) -> torch.Tensor:
-        """One step through the absorbed path: input_ids [T] are the new tokens of each
+                      seq_lens: torch.Tensor, *, backend: str = "triton") -> torch.Tensor:
+        """One step over the paged latent cache: input_ids [T] are the new tokens of each
         sequence (cu_seqlens_q: [B + 1]), the last of its seq_lens [B] tokens; their latents
         are written into latent_cache [num_layers, num_blocks, block_size, latent] at the
-        blocks of block_tables [B, max_blocks]. -> logits [T, vocab]."""
+        blocks of block_tables [B, max_blocks], then each sequence attends on its path: with
+        ``backend="triton"`` through labkit's kernels (``paged_mla_attention``,
+        ``flash_attention``), with "reference" through the float64 definition and plain torch.
+        -> logits [T, vocab]."""
+        if backend not in ("triton", "reference"):
+            raise ValueError(f"backend={backend!r}: forward_paged runs 'triton' (labkit's "
+                             "kernels) or 'reference' (the definition)")
         positions = step_positions(cu_seqlens_q, seq_lens)
         slots = slot_mapping(block_tables, cu_seqlens_q, positions, latent_cache.shape[2])
-        return self._run(input_ids, positions, lambda i, attn, h, rotary: attn.absorbed(
-            h, rotary, latent_cache[i], block_tables, cu_seqlens_q, seq_lens, slots))
+        rank = self.config.kv_lora_rank
+        attention = latent_step_attention(
+            self.attention_layer, lambda i: latent_cache[i],
+            lambda i, rows: write_latents(latent_cache[i], slots, rows[:, :rank], rows[:, rank:]),
+            BACKENDS[backend].mla, block_tables, cu_seqlens_q, seq_lens,
+            max_query_len=int(cu_seqlens_q.diff().max()) if len(seq_lens) else 0,
+            min_new_tokens=self.decompress_min_tokens, flash=backend == "triton")
+        return self._run(input_ids, positions, lambda i, attn, h, rotary: attn.from_heads(
+            attention(i, *attn.to_heads(h, rotary))))
 
 
 def generate_greedy(model: MLAModel, prompt: list[int], max_new_tokens: int, *,
                     absorbed: bool = True, block_table: list[int] | None = None,
                     block_size: int = 16) -> list[int]:
     """``max_new_tokens`` greedy tokens after ``prompt``. absorbed: prefill the latent cache,
-    then decode one token a step through ``forward_paged`` (``block_table``: the physical blocks
+    then decode one token a step, both through ``forward_paged`` (``block_table``: the physical blocks
     the sequence uses, in order; default 0, 1, 2...). Otherwise recompute the whole sequence
     through ``forward`` each step: the reference."""
     device, tokens = model.lm_head.weight.device, list(prompt)
