@@ -26,7 +26,7 @@ _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)       # the same, as the kernel may read a
 def store_kv_kernel(
     key_ptr, value_ptr,              # [num_tokens, num_heads, head_dim], last dim contiguous
     k_cache_ptr, v_cache_ptr,        # [num_blocks, block_size, num_heads, head_dim]
-    slot_mapping_ptr,                # int64 [num_tokens], -1 = skip
+    slot_mapping_ptr,                # int32 or int64 [num_tokens], -1 = skip
     k_scale_ptr, v_scale_ptr,        # float32 [num_heads] (read only when QUANTIZE)
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,  # cache strides: block, slot in block, head (k and v alike)
@@ -34,7 +34,7 @@ def store_kv_kernel(
     BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr, QUANTIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)   # int64: offsets into big caches overflow int32
-    slot = tl.load(slot_mapping_ptr + t)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)  # int32 slots too: no cast kernel per layer
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     dims = tl.arange(0, BLOCK_DIM)
     # A padding token (slot -1) masks everything off rather than returning early.
@@ -155,8 +155,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
         raise ValueError("the cache's (num_blocks, block_size) axes must be contiguous with each "
                          "other: slots address them as one flat row index")
-    if slot_mapping.dtype != torch.int64:
-        slot_mapping = slot_mapping.long()
     block_dim = next_power_of_2(head_dim)
     block_heads = min(next_power_of_2(num_heads), max(1, 2048 // block_dim))
     grid = (num_tokens, cdiv(num_heads, block_heads))

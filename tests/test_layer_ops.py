@@ -82,7 +82,7 @@ def test_the_fused_model_gives_the_eager_logits():
     close(fused(ids), eager, torch.float32, "logits")
 
 
-def test_fused_ops_are_off_by_default_without_cuda_graphs():
+def test_fused_ops_are_off_by_default_on_cpu_where_triton_is_interpreted():
     assert not LLM(ModelConfig.tiny(), device="cpu", dtype=torch.float32).model.fused_ops
 
 
@@ -116,9 +116,11 @@ def test_gpu_fused_ops_bf16_and_graphs():
     cfg = ModelConfig.tiny(torch_dtype="float32")
     plain = LLM(cfg, device="cuda", fused_ops=False).generate(prompts, params)
     fused = LLM(cfg, device="cuda")
-    assert fused.model.fused_ops, "with CUDA Graphs the fused ops are the default"
+    assert fused.model.fused_ops, "on CUDA the fused ops are the default"
     assert [o.token_ids for o in fused.generate(prompts, params)] == \
         [o.token_ids for o in plain]
     assert fused.stats.num_graph_steps > 0
-    assert not LLM(cfg, device="cuda", enforce_eager=True).model.fused_ops, (
-        "launched eagerly, the fused Triton kernels cost more host time than they save")
+    eager = LLM(cfg, device="cuda", enforce_eager=True)
+    assert eager.model.fused_ops, "eager steps launch the same fused kernels the graphs replay"
+    assert [o.token_ids for o in eager.generate(prompts, params)] == \
+        [o.token_ids for o in plain]

@@ -45,6 +45,26 @@ def test_store_kv_matches_the_reference_under_the_interpreter(
         "a copy is exact: any difference is a wrong slot, head or dim"
 
 
+def test_store_kv_takes_int32_slots_as_the_engine_builds_them():
+    key, value, slots = random_case(37, 3, 40, 8, 16, torch.float32, pad_every=4, seed=3)
+    k, v, k_ref, v_ref = run_both(key, value, slots.int(), 8, 16, torch.float32)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@pytest.mark.gpu
+def test_store_kv_launches_one_kernel_for_int32_slots():
+    from torch.profiler import ProfilerActivity, profile
+    key, value, slots = random_case(9, 8, 128, 4, 16, torch.bfloat16, "cuda", seed=5)
+    caches = [torch.zeros(4, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    slots = slots.int()
+    store_kv(key, value, *caches, slots, check=False)  # compiled before the trace
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        store_kv(key, value, *caches, slots, check=False)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert kernels == ["store_kv_kernel"], f"a cast kernel per layer is host time: {kernels}"
+
+
 def test_store_kv_with_no_tokens_writes_nothing():
     key, value, slots = random_case(0, 2, 32, 2, 4, torch.float32)
     k, v, _, _ = run_both(key, value, slots, 2, 4, torch.float32)
@@ -191,16 +211,17 @@ def test_store_kv_matches_the_reference_on_the_gpu_fp8(num_tokens, num_heads, he
 
 
 @pytest.mark.gpu
-def test_store_kv_addresses_caches_beyond_2_31_elements():
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_addresses_caches_beyond_2_31_elements(slot_dtype):
     num_blocks, block_size, num_heads, head_dim = 140_000, 16, 8, 128  # 2.3e9 elements per cache
     k_cache = torch.zeros(num_blocks, block_size, num_heads, head_dim, device="cuda",
                           dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([num_blocks * block_size - 1, 5, num_blocks * block_size // 2 + 3],
-                         device="cuda")
+                         device="cuda", dtype=slot_dtype)
     key = torch.randn(3, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     store_kv(key, key, k_cache, v_cache, slots)
     flat = k_cache.view(-1, num_heads, head_dim)
-    assert torch.equal(flat[slots], key), "int32 offsets would wrap past 2**31 elements"
+    assert torch.equal(flat[slots.long()], key), "int32 offsets would wrap past 2**31 elements"
     del k_cache, v_cache
     torch.cuda.empty_cache()

@@ -57,11 +57,11 @@ class LLM(StepLoop):
     key per batch bucket).
     ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
     ``fused_ops`` runs each layer's small ops as three fused Triton kernels (default: on with
-    CUDA Graphs, i.e. CUDA and not ``enforce_eager``): replayed, a step is GPU time and the
-    fused kernels save it (``recorded_data/prefill_vs_decode.json`` has the measured gain);
-    with graphs here meaning any ``cudagraph_mode`` but "none";
-    launched eagerly, a step is host launch time, which varies more than fusing saves, so the
-    default asks for graphs. On CPU the kernels run in Triton's interpreter. A model built here
+    CUDA, eager steps included): replayed, a step is GPU time and the fused kernels save it
+    (``recorded_data/prefill_vs_decode.json`` has the measured gain); launched eagerly, a step
+    is host time per launch, and fusing leaves about ten launches a layer where the plain ops
+    take about forty, so eager stays a lean control beside the graphs, running their kernels. On CPU the
+    kernels run in Triton's interpreter, so the default there is off. A model built here
     is built with that choice; a LlamaModel given keeps its own for direct calls, and the
     engine runs it with this one (``LLM.fused_ops``). ``compile=True`` runs the forward
     compiled (``labkit.engine.compiled``: traced by Dynamo, split at attention, each piece
@@ -103,7 +103,7 @@ class LLM(StepLoop):
         mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, self.device)
         asked_fused_ops = fused_ops
         if fused_ops is None:  # compiled, Inductor fuses the plain ops itself
-            fused_ops = self.device.type == "cuda" and mode != "none" and not compile
+            fused_ops = self.device.type == "cuda" and not compile
         fused_ops = bool(fused_ops)
         if isinstance(model, (LlamaModel, MLAModel)):
             self.model = model  # built already: the runner runs it with fused_ops
