@@ -61,6 +61,9 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
     assert (costs.low <= costs.relative_cost).all() and (costs.relative_cost <= costs.high).all()
     speed = sp.speedups(model, accepts=(1.0,), ks=(4,), max_tokens=24, rounds=2, device="cpu")
     assert speed.same_tokens.all() and speed.tokens_per_forward.iloc[0] > 4
+    assert (costs.full_decode_share == 0).all() and (costs.full_verify_share == 0).all(), \
+        "a CPU engine replays no full graph"
+    assert sp.graph_claim(costs, gpu=False, where="here").held
     assert speed.predicted.iloc[0] == pytest.approx(
         expected_tokens_per_step(1.0, 4) / speed.relative_cost.iloc[0])
 
@@ -83,6 +86,15 @@ def test_claims_fail_on_figures_that_contradict_them():
                           "high": [2.1], "predicted": [2.6], "same_tokens": [True]})
     held = [c.held for c in sp.speedup_claims(speed, 0.15, "here")]
     assert held == [True, False, True], "2.0 against a predicted 2.6 is 23% off"
+
+
+def test_the_graph_claim_needs_most_timed_steps_to_be_replays_on_a_gpu():
+    costs = pd.DataFrame({"batch": [1, 8], "k": [4, 4], "full_decode_share": [1.0, 0.9],
+                          "full_verify_share": [0.75, 0.8]})
+    assert sp.graph_claim(costs, gpu=True, where="here").held
+    # verify steps that fell back to piecewise graphs: the medians compared other things
+    assert not sp.graph_claim(costs.assign(full_verify_share=[0.75, 0.0]), True, "here").held
+    assert not sp.graph_claim(costs, gpu=False, where="here").held, "a CPU replays none"
 
 
 def test_a_random_draft_model_proposes_and_outputs_stay_plain(model):

@@ -4,7 +4,9 @@ Three questions, each answered from this run:
 1. What does a draft of acceptance ``a`` buy per verify step? ``expected_table``: the formula
    (1 - a^(k+1)) / (1 - a), checked against the controlled draft's measured tokens per forward.
 2. What does a verify step cost? ``step_costs``: the engine's (k + 1)-token verify steps against
-   its one-token decode steps at several batch sizes, in interleaved rounds.
+   its one-token decode steps at several batch sizes, in interleaved rounds, with the share of
+   each that replayed a full CUDA graph (on a GPU: per batch bucket for decode, per (request
+   bucket, k + 1) for verify; ``graph_claim``).
 3. Does the speed-up follow? ``speedups``: output tokens/s with the controlled draft against
    plain decoding, beside the formula divided by the measured relative step cost; and the n-gram
    proposer's acceptance on a workload that repeats itself against one that does not
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections import Counter
 
 import pandas as pd
 import torch
@@ -54,7 +57,8 @@ def _engine(model, k: int | None, acceptance: float = 1.0, method: str = "contro
 
 def decode_span(llm: LLM, prompts, max_tokens: int) -> dict:
     """Generate greedily; the steps after the last prefill: their count, median step time, the
-    span's seconds and the tokens emitted in it."""
+    span's seconds, the tokens emitted in it and how many steps ran each way (``graphs``:
+    ``StepRecord.graph``, e.g. "full verify")."""
     first = len(llm.step_history)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
     steps = llm.step_history[first:]
@@ -67,7 +71,8 @@ def decode_span(llm: LLM, prompts, max_tokens: int) -> dict:
     return {"steps": len(decode), "step_ms": 1e3 * statistics.median(s.duration_s for s in decode),
             "span_s": span, "tokens_per_s": emitted / span, "emitted": emitted,
             "tokens": [o.token_ids for o in outs],
-            "proposed": sum(s.stats.num_spec_proposed for s in decode)}
+            "proposed": sum(s.stats.num_spec_proposed for s in decode),
+            "graphs": Counter(s.graph for s in decode)}
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -91,13 +96,16 @@ def step_costs(model, batches=(1, 8, 32), ks=(1, 2, 4, 8), prompt_len: int = 64,
     """Per batch size and k: the median verify step (k + 1 tokens per request, every draft
     accepted, so every step verifies k) over the median plain decode step, each verify run
     paired with a plain run of the same batch right beside it, in shuffled rounds: median and
-    range over ``rounds``."""
+    range over ``rounds``; and the share of the timed decode steps that replayed a full decode
+    graph (``full_decode_share``) and of verify steps a full verify graph
+    (``full_verify_share``)."""
     check_positive_int("rounds", rounds)
     vocab = model.config.vocab_size
     engines = {k: _engine(model, k, max_num_seqs=max(batches), **options) for k in (None, *ks)}
     cells = [(b, k) for b in batches for k in ks]
     ratios = {c: [] for c in cells}
     steps = {c: [] for c in cells}
+    graphs = {c: [] for c in cells}
     for r in range(rounds):
         for b, k in random.Random(r).sample(cells, len(cells)):
             prompts = prompts_for(b, prompt_len, vocab, seed=r)
@@ -105,13 +113,18 @@ def step_costs(model, batches=(1, 8, 32), ks=(1, 2, 4, 8), prompt_len: int = 64,
                                     lambda: decode_span(engines[k], prompts, max_tokens), r)
             ratios[(b, k)].append(verify["step_ms"] / plain["step_ms"])
             steps[(b, k)].append((plain["step_ms"], verify["step_ms"]))
+            graphs[(b, k)].append((plain["graphs"], verify["graphs"]))
     rows = []
     for b, k in cells:
         ratio = Spread.of(ratios[(b, k)])
+        plain_graphs = sum((p for p, _ in graphs[(b, k)]), Counter())
+        verify_graphs = sum((v for _, v in graphs[(b, k)]), Counter())
         rows.append({"batch": b, "k": k,
                      "decode_ms": statistics.median(p for p, _ in steps[(b, k)]),
                      "verify_ms": statistics.median(v for _, v in steps[(b, k)]),
-                     "relative_cost": ratio.median, "low": ratio.low, "high": ratio.high})
+                     "relative_cost": ratio.median, "low": ratio.low, "high": ratio.high,
+                     "full_decode_share": plain_graphs["full"] / plain_graphs.total(),
+                     "full_verify_share": verify_graphs["full verify"] / verify_graphs.total()})
     return pd.DataFrame(rows)
 
 
@@ -285,6 +298,24 @@ def cost_claim(costs: pd.DataFrame, where: str):
                  "rounds: far less than the 5x its tokens would cost if a step's time grew with "
                  "its tokens.", worst.high < 2.5, lo=worst.low, hi=worst.high,
                  b=int(worst.batch), where=where)
+
+
+def graph_claim(costs: pd.DataFrame, gpu: bool, where: str):
+    """Which steps the cost comparison timed: on a GPU, more than half of each cell's decode and
+    verify steps replayed a full graph, so each median step is a replay; on a CPU none did."""
+    verify, decode = costs.full_verify_share, costs.full_decode_share
+    if gpu:
+        return claim("{vlo:.0%}-{vhi:.0%} of the timed verify steps (by cell) replayed a full CUDA "
+                     "Graph captured for their request bucket and k + 1 tokens a request, and "
+                     "{dlo:.0%}-{dhi:.0%} of the decode steps a full decode graph {where}: more "
+                     "than half in every cell, so each median above is a graph replay against a "
+                     "graph replay.", verify.min() > 0.5 and decode.min() > 0.5,
+                     vlo=verify.min(), vhi=verify.max(), dlo=decode.min(), dhi=decode.max(),
+                     where=where)
+    return claim("{v:.0%} of the timed verify steps and {d:.0%} of the decode steps replayed a "
+                 "full CUDA Graph {where}: full graphs need a CUDA device, so every step here "
+                 "ran eagerly.", verify.max() == 0 and decode.max() == 0, v=verify.max(),
+                 d=decode.max(), where=where)
 
 
 def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str) -> list:
