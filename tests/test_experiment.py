@@ -291,4 +291,6 @@ def test_gpu_record_with_tiny_sizes_shows_copies_and_graph_replays():
     times = pd.DataFrame(out["step_times"])
     assert times.graph_ms.notna().all() and not math.isnan(times.eager_ms.sum())
     assert (times.eager_gpu_ms < times.eager_ms).all(), "the eager step's kernels beside its wall time"
+    assert (times.eager_kernels > 0).all()
+    assert (times.host_us_per_kernel * times.eager_kernels / 1e3 - times.eager_ms).abs().max() < 1e-6
     assert {"rounds", "first_token_tie_max"} <= set(out) and len(out["rounds"]["round"]) > 0

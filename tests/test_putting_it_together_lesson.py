@@ -284,6 +284,14 @@ def test_step_time_claims_hold_and_each_fails_on_its_perturbation():
     assert not padc.step_time_claims(times, swapped, "H200", 512)[2].held
 
 
+def test_the_eager_claim_says_how_many_kernels_and_the_host_time_of_each():
+    times = _times().assign(eager_kernels=214, host_us_per_kernel=15.0e3 / 214)
+    made = padc.step_time_claims(times, None, "H200", 512)[1]
+    assert made.held and "214 kernels" in made.text and "70.1 us of host time" in made.text
+    assert "kernels" not in padc.step_time_claims(_times(), None, "H200", 512)[1].text, \
+        "a recording without the count says nothing of it"
+
+
 def test_the_committed_recording_names_the_fields_its_claims_need(rec):
     lacking = pc.missing(rec.data, "rounds", "table.passed", "step_times.graph_rounds_ms",
                          "step_times.eager_gpu_ms", "trace_numbers")

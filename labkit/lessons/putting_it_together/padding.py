@@ -135,7 +135,9 @@ def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10,
     ``rounds`` interleaved rounds (every case once a round, in a shuffled order): each time is
     the median of the round medians, ``*_low_ms``/``*_high_ms`` their range, ``*_rounds_ms``
     the round medians. On a GPU ``eager_gpu_ms`` is the profiler's kernel time of one eager
-    step: beside ``eager_ms`` (wall time) it shows how host-bound the eager step is."""
+    step: beside ``eager_ms`` (wall time) it shows how host-bound the eager step is;
+    ``eager_kernels`` the kernels that step launched and ``host_us_per_kernel`` its wall time
+    over them (the host's cost of each launch, Python and torch included)."""
     from labkit.measure.rounds import interleaved
 
     r, dev = llm.runner, llm.device
@@ -180,6 +182,9 @@ def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10,
             if dev.type == "cuda":
                 t = trace(cases[f"eager/{b}"], device=dev, warmup=1)
                 row["eager_gpu_ms"] = t.summary.get("gpu_busy_us", float("nan")) / 1e3
+                row["eager_kernels"] = int(t.summary.get("kernel_count", 0))
+                row["host_us_per_kernel"] = (row["eager_ms"] * 1e3 / row["eager_kernels"]
+                                             if row["eager_kernels"] else float("nan"))
             rows.append(row)
     return pd.DataFrame(rows)
 

@@ -104,12 +104,17 @@ def step_time_claims(times: pd.DataFrame, priced: pd.DataFrame | None, where: st
             more=more, recorded=recorded))
     if "eager_gpu_ms" in t and pd.notna(t.eager_gpu_ms[big]):
         low = t.eager_low_ms[big] if "eager_low_ms" in t else t.eager_ms[big]
+        launches = ""
+        if "eager_kernels" in t and t.eager_kernels[big] > 0:
+            launches = (f" It launches {int(t.eager_kernels[big])} kernels: "
+                        f"{t.host_us_per_kernel[big]:.1f} us of host time per kernel.")
         made.append(claim(
             "Eager on {where}, the {big}-row decode step takes {wall:.2f} ms of wall time "
             "(median; {low:.2f} in its fastest round) but {gpu:.2f} ms of GPU kernel time "
             "(profiler): it is host-bound, so a gain over eager measures the host work a graph "
-            "removes, not GPU work.", t.eager_gpu_ms[big] < 0.5 * low, where=where, big=big,
-            wall=t.eager_ms[big], low=low, gpu=t.eager_gpu_ms[big], recorded=recorded))
+            "removes, not GPU work.{launches}", t.eager_gpu_ms[big] < 0.5 * low, where=where,
+            big=big, wall=t.eager_ms[big], low=low, gpu=t.eager_gpu_ms[big], launches=launches,
+            recorded=recorded))
     if priced is not None and "padding_share" in priced:
         c = priced.set_index("buckets")
         pow2, top = c.loc["powers of two"], c.loc["max only"]
