@@ -9,8 +9,10 @@ path multiplies 512 + 64 values for the score and 512 for the value; the decompr
 and 128, padded to the kernel's power of two (256 each). Which is faster is measured here, at
 DeepSeek-V3's attention shape (128 heads, latent 512 + 64, keys of 128 + 64, values of 128),
 bf16, one causal sequence of 1,024 to 16,384 tokens over a paged cache, both paths ending in the
-per-head outputs o_proj takes, in interleaved rounds (median and range). The engine prefills
-through the absorbed kernel; this measurement is what a switch to the other path would rest on.
+per-head outputs o_proj takes, in interleaved rounds (median and range). Both paths are the
+engine's own code (``labkit.engine.mla_prefill``): a paged MLA step sends every sequence with at
+least ``DECOMPRESS_MIN_NEW_TOKENS`` new tokens down the decompressed path and keeps decode rows
+on the absorbed kernel, because this measurement found the decompressed path the faster prefill.
 """
 from __future__ import annotations
 

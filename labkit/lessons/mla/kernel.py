@@ -1,5 +1,6 @@
 """paged_mla_attention checked on a mixed batch and its tile loop as the file has it (notebook
-10, section 3), and the two ways to prefill that benchmarks/mla_prefill.py times."""
+10, section 3), and the two ways to prefill that benchmarks/mla_prefill.py times: the engine's
+own (``labkit.engine.mla_prefill``), which sends a prefill down the faster one."""
 from __future__ import annotations
 
 import math
@@ -56,15 +57,10 @@ def kernel_loop_source() -> str:
     return "\n".join(line[4:] for line in lines[first:last + 1])
 
 
-def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x [..., d] zero-padded to ``width`` columns: zeros add nothing to a dot product, and the
-    output's extra columns are dropped after."""
-    return torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
-
-
 def prefill_paths(attention, q_nope, q_pe, latent_cache, block_tables, seq_len: int):
     """Two ways to attend one sequence's ``seq_len``-token prefill (causal) over its paged latent
-    rows, each ending in the per-head outputs [T, H, v_head_dim] that ``o_proj`` takes:
+    rows, each ending in the per-head outputs [T, H, v_head_dim] that ``o_proj`` takes, each the
+    engine's own code for its rows (``labkit.engine.mla_prefill``):
 
     - ``absorbed``: W_UK folded into the query, ``paged_mla_attention`` over the latent rows
       (every (query, key) pair costs rank + rope for the score and rank for the value), then W_UV;
@@ -73,36 +69,23 @@ def prefill_paths(attention, q_nope, q_pe, latent_cache, block_tables, seq_len: 
       to the power of two the kernel takes: 192 and 128 become 256 at DeepSeek's shape).
 
     Returns {name: a function of no arguments -> [T, H, v_head_dim]}."""
-    from labkit.attention import flash_attention, paged_mla_attention
-    from labkit.kernels.grid import next_power_of_2
-    w_uk, w_uv = attention.up_projections()
-    c = attention.config
-    rank, dev = c.kv_lora_rank, q_nope.device
+    from labkit.attention import paged_mla_attention
+    from labkit.engine.mla_prefill import (absorbed_attention, context_slots,
+                                           decompressed_attention)
+    dev = q_nope.device
+    q = torch.cat([q_nope, q_pe], dim=-1)
     cu = torch.tensor([0, seq_len], dtype=torch.int32, device=dev)
     lens = torch.tensor([seq_len], dtype=torch.int32, device=dev)
-    block = latent_cache.shape[1]
-    positions = torch.arange(seq_len, device=dev)
-    slots = block_tables[0, positions // block].long() * block + positions % block
+    slots, cu_k = context_slots(block_tables, [0], [seq_len], latent_cache.shape[1])
 
     def absorbed():
-        q = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        out = paged_mla_attention(q, q_pe, latent_cache, block_tables, cu, lens,
-                                  scale=attention.scale, check=False, max_query_len=seq_len)
-        return torch.einsum("thr,hvr->thv", out, w_uv)
-
-    width = next_power_of_2(max(c.qk_head_dim, c.v_head_dim))
+        return absorbed_attention(attention, paged_mla_attention, q, latent_cache, block_tables,
+                                  cu, lens, seq_len)
 
     def decompressed():
-        rows = latent_cache.view(-1, latent_cache.shape[-1]).index_select(0, slots)
-        c_kv, k_pe = rows[:, :rank], rows[:, rank:]
-        k = torch.cat([torch.einsum("hnr,sr->shn", w_uk, c_kv),
-                       k_pe[:, None, :].expand(-1, q_nope.shape[1], -1)], dim=-1)
-        v = torch.einsum("hvr,sr->shv", w_uv, c_kv)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        out = flash_attention(_padded(q, width), _padded(k, width), _padded(v, width), cu, cu,
-                              causal=True, scale=attention.scale, check=False,
-                              max_seqlen_q=seq_len)
-        return out[..., :c.v_head_dim]
+        k, v = attention.decompress(
+            latent_cache.view(-1, latent_cache.shape[-1]).index_select(0, slots))
+        return decompressed_attention(attention, q, k, v, cu, cu_k, seq_len, flash=True)
     return {"absorbed": absorbed, "decompressed": decompressed}
 
 
