@@ -178,10 +178,11 @@ def latent_step_attention(layers, latent_cache, store, mla, block_tables: torch.
 
 def engine_latent_attention(runner, md, max_query_len: int, *, store: bool = True, host=None):
     """The engine runner's MLA attention function for a step (``StepAttention``): ``md`` its
-    device metadata, ``host`` its host metadata (None in a captured decode graph, whose rows are
-    all decode). ``store=False`` when piecewise graphs stored the latent rows already.
-    Decompressed rows run ``flash_attention`` on a GPU and wherever the triton backend was
-    chosen (its interpreter on CPU), plain torch otherwise."""
+    device metadata, ``host`` its host metadata. With no host metadata (a full CUDA graph's
+    capture: decode or verify rows, and no length may be read back) every row is absorbed.
+    ``store=False`` when piecewise graphs stored the latent rows already. Decompressed rows run
+    ``flash_attention`` on a GPU and wherever the triton backend was chosen (its interpreter on
+    CPU), plain torch otherwise."""
     cache, model = runner.cache, runner.model
 
     def write(layer, rows):
@@ -194,5 +195,5 @@ def engine_latent_attention(runner, md, max_query_len: int, *, store: bool = Tru
     return latent_step_attention(
         model.attention_layer, cache.latent_cache, write, runner.backend.mla, md.block_tables,
         md.cu_seqlens_q, md.seq_lens, max_query_len=max_query_len, host_lengths=lengths,
-        min_new_tokens=model.decompress_min_tokens,
+        min_new_tokens=None if host is None else model.decompress_min_tokens,
         flash=runner.device.type == "cuda" or runner.backend.name == "triton")
