@@ -92,14 +92,10 @@ def test_verify_steps_beside_prefill_chunks_or_short_drafts_fall_back_and_are_co
     assert set(table.graph) <= {"full verify", "eager"}
 
 
-def test_the_verify_graph_function_ignores_its_padding_rows():
-    """What a verify graph captures, run eagerly: three requests verifying k = 2 drafts each,
-    padded with PAD rows as the pool pads them up to a bucket, write only the real rows' slots
-    and give the eager step's logits."""
-    k = 2
-    model = random_model(TINY, seed=1, std=0.2)
-    runner = ModelRunner(model, num_blocks=16)
-    bm = BlockManager(16, 16)
+def three_verifying_requests(runner: ModelRunner, k: int):
+    """A block manager and the step after the prefill of three requests, each verifying k
+    controlled drafts (a bucket of 4 pads one row)."""
+    bm = BlockManager(runner.num_blocks, runner.block_size)
     sched = Scheduler(SchedulerConfig(max_model_len=256, vocab_size=TINY.vocab_size,
                                       speculative=SpeculativeConfig("controlled", k)), bm)
     for i, p in enumerate([[5, 6, 7], list(range(20)), [9] * 17]):
@@ -108,25 +104,43 @@ def test_the_verify_graph_function_ignores_its_padding_rows():
     sched.update(prefill, runner.execute(prefill, bm).logits.argmax(-1).tolist())
     step = sched.schedule()
     assert [r.num_draft for r in step.rows] == [k] * 3 and not step.is_decode_only
-    md = build_step_metadata(step, bm)
+    return bm, step
+
+
+def verify_inputs(runner: ModelRunner, md, q: int, pad: int = 0):
+    """What the verify pool hands its graph: rows of q tokens, block tables at the captured
+    width, then ``pad`` rows of PAD."""
     dev = runner.to_device(md)
-    q, pad = k + 1, 2
+    width = runner.max_blocks_per_seq
 
     def padded(x, trailing):
         x = x.view(-1, *trailing)
-        return torch.cat([x, torch.full((pad, *trailing), PAD, dtype=x.dtype)])
+        return torch.cat([x, torch.full((pad, *trailing), PAD, dtype=x.dtype,
+                                        device=x.device)])
 
-    tables = torch.nn.functional.pad(dev.block_tables,
-                                     (0, runner.max_blocks_per_seq - dev.block_tables.shape[1]))
-    args = (padded(dev.input_ids, (q,)), padded(dev.positions, (q,)),
-            padded(dev.slot_mapping, (q,)), padded(tables, (runner.max_blocks_per_seq,)),
-            padded(dev.seq_lens, ()))
-    before = runner.cache.kv.clone()
-    graph_logits = runner.verify_forward(*args)
+    tables = torch.nn.functional.pad(dev.block_tables, (0, width - dev.block_tables.shape[1]))
+    return (padded(dev.input_ids, (q,)), padded(dev.positions, (q,)),
+            padded(dev.slot_mapping, (q,)), padded(tables, (width,)), padded(dev.seq_lens, ()))
+
+
+def written_slots(runner: ModelRunner, before: torch.Tensor) -> list[int]:
     changed = (runner.cache.kv != before).flatten(2, 3).any(-1).any(-1).any(0).any(0)
-    assert changed.nonzero().flatten().tolist() == sorted(md.slot_mapping), \
+    return changed.nonzero().flatten().tolist()
+
+
+def test_the_verify_graph_function_ignores_its_padding_rows():
+    """What a verify graph captures, run eagerly: three requests verifying k = 2 drafts each,
+    padded with PAD rows as the pool pads them up to a bucket, write only the real rows' slots
+    and give the eager step's logits."""
+    k, pad = 2, 2
+    runner = ModelRunner(random_model(TINY, seed=1, std=0.2), num_blocks=16)
+    bm, step = three_verifying_requests(runner, k)
+    md = build_step_metadata(step, bm)
+    before = runner.cache.kv.clone()
+    graph_logits = runner.verify_forward(*verify_inputs(runner, md, k + 1, pad))
+    assert written_slots(runner, before) == sorted(md.slot_mapping), \
         "the padded batch wrote slots other than its real rows'"
-    assert graph_logits.shape == (3 + pad, q, TINY.vocab_size)
+    assert graph_logits.shape == (3 + pad, k + 1, TINY.vocab_size)
     eager = runner.execute(step, bm).logits
     torch.testing.assert_close(graph_logits[:3].flatten(0, 1), eager, rtol=1e-5, atol=1e-5)
 
@@ -163,7 +177,29 @@ def test_gpu_verify_graphs_replay_with_plain_decodings_greedy_outputs(method, k)
 
 
 @pytest.mark.gpu
-def test_gpu_verify_graph_padding_rows_write_no_slot_and_are_counted():
+def test_gpu_a_replayed_verify_graph_writes_only_its_rows_slots_and_gives_eager_logits():
+    """A runner built with k = 2 captures its verify graphs at construction; three requests
+    verifying replay the bucket of 4, whose padding row writes no slot."""
+    k = 2
+    model = random_model(TINY, seed=1, std=0.2, device="cuda", dtype=torch.float32)
+    runner = ModelRunner(model, num_blocks=16, cudagraph_mode="full_decode_only",
+                         num_speculative_tokens=k)
+    assert runner.verify_graphs.keys() == [(b, k + 1) for b in runner.decode_buckets]
+    bm, step = three_verifying_requests(runner, k)
+    md = build_step_metadata(step, bm)
+    before = runner.cache.kv.clone()
+    out = runner.execute(step, bm)
+    assert (out.graph_batch, out.graph_query_len) == (4, k + 1)
+    assert written_slots(runner, before) == sorted(md.slot_mapping), \
+        "the replay wrote slots other than its real rows'"
+    pool = runner.verify_graphs.stats
+    assert (pool.replays, pool.padded_rows, pool.eager_calls) == (1, 1, 0)
+    eager = runner.verify_forward(*verify_inputs(runner, md, k + 1))
+    torch.testing.assert_close(out.logits, eager.flatten(0, 1), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_graph_padding_is_dropped_and_counted_in_the_step_records():
     """Three requests verify in a bucket of 4: the padding row's k + 1 tokens are computed and
     dropped (the outputs are plain decoding's) and the step records count them."""
     llm = LLM(TINY, device="cuda", dtype=torch.float32, cudagraph_mode="full_and_piecewise",
