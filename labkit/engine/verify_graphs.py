@@ -73,9 +73,11 @@ class VerifyGraphs:
             self.pool.predict_memory(*example)
         self.pool.capture(*example)
         if self.pool.enabled:
+            st = self.stats
             log.info(f"captured {len(self.keys())} verify graphs (request buckets "
-                     f"{list(self.pool.buckets)} x {q} query tokens) in "
-                     f"{self.stats.capture_ms:.0f} ms")
+                     f"{list(self.pool.buckets)} x {q} query tokens) in {st.capture_ms:.0f} ms; "
+                     f"{st.captured_bytes / 2**20:.1f} MiB (predicted "
+                     f"{st.predicted_bytes / 2**20:.1f})")
 
     def key_for(self, step: ScheduledStep) -> tuple[int, int] | None:
         """The key a uniform verify step replays, or None (counted in ``fallbacks`` when the
