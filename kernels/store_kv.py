@@ -139,12 +139,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     """Scatter ``key``/``value`` [num_tokens, H, D] into the caches at ``slot_mapping`` (in place).
 
     Slots must be distinct (two tokens never share a slot) and in [-1, num_blocks * block_size);
-    -1 is a padding token, not written. ``check=True`` reads the slots to make sure, before
-    anything is written (one host sync on a GPU; skipped while a CUDA Graph is being captured).
-    A caller that builds its slots itself, as the engine's runner does during graph capture,
-    may pass ``check=False``, as ``paged_attention(check=False)`` does.
+    -1 is a padding token, not written. ``check=True`` checks the shapes, dtypes and devices and
+    reads the slots to make sure, before anything is written (one host sync on a GPU; skipped
+    while a CUDA Graph is being captured). A caller that builds its tensors and slots itself, as
+    the engine's runner does in every layer of every step, may pass ``check=False``, as
+    ``paged_attention(check=False)`` does: then only the launch's own needs are checked (an
+    eager step pays the host time of every check in every layer).
     """
-    fp8 = _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if check:
+        fp8 = _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
     _check_slots(slot_mapping, k_cache, check)
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:

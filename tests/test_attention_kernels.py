@@ -163,12 +163,17 @@ def test_one_plan_serves_every_layer_and_writes_into_the_given_output(num_splits
     q, k0, _, table, cu, lens = layers[0]
     plan = plan_paged_attention(False, q.shape[1], k0.shape, len(lens), table.shape[1] * 16, 5,
                                 q.device, num_splits=num_splits)
+    workspace = plan.workspace(q)  # one per step, as the engine makes it: layers reuse it
+    assert (workspace is None) == (num_splits == 1)
     for q, k, v, _, _, _ in layers:  # the same table and lengths, a cache per layer
         out = torch.full_like(q, float("nan"))
-        got = plan.run(q, k, v, table, cu, lens, out=out)
+        got = plan.run(q, k, v, table, cu, lens, out=out, workspace=workspace)
         assert got is out
         err = max_err(out, paged_attention_ref(q, k, v, table, cu, lens))
         assert err < 2e-4, f"seed {seed}: planned launch max error {err:.2e}"
+    if workspace is not None:
+        with pytest.raises(ValueError, match="plan.workspace"):
+            plan.run(q[:1], k, v, table, cu, lens, workspace=workspace)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

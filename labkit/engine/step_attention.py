@@ -36,10 +36,13 @@ class StepAttention:
                 cache.key_cache(0).shape, md.seq_lens.numel(),
                 md.block_tables.shape[1] * cache.block_size, max_query_len, self.device)
             tables, cu, lens = md.block_tables, md.cu_seqlens_q, md.seq_lens
+            shared = []  # the split path's workspace, made by the first layer for all of them
 
             def run(q, layer, out):
+                if not shared:
+                    shared.append(plan.workspace(q))
                 return plan.run(q, cache.key_cache(layer), cache.value_cache(layer), tables, cu,
-                                lens, *cache.scales(layer), out=out)
+                                lens, *cache.scales(layer), out=out, workspace=shared[0])
             return run
         paged = self.backend.paged
         lengths = {"host_lengths": (np.diff(host.cu_seqlens_q).tolist(), host.seq_lens)} \
