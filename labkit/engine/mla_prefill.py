@@ -75,10 +75,12 @@ def decompressed_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q
 
 @dataclass(frozen=True)
 class RowGroup:
-    """Some of a step's sequences (``seqs`` [S], indices into the step's sequences), the rows of
-    their new tokens in the step (``rows`` [Tg]) and the group's own cu_seqlens_q [S + 1]."""
-    seqs: torch.Tensor
-    rows: torch.Tensor
+    """Some of a step's sequences (``seqs``, indices into the step's sequences), the rows of
+    their new tokens in the step (``rows``) and the group's own cu_seqlens_q [S + 1]. ``seqs``
+    and ``rows`` are slices where they run unbroken, as they do when the scheduler puts decodes
+    first and prefill chunks after: then picking a group's rows copies nothing."""
+    seqs: slice | torch.Tensor
+    rows: slice | torch.Tensor
     cu_seqlens_q: torch.Tensor
     max_query_len: int
 
@@ -89,9 +91,13 @@ class RowGroup:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        return cls(torch.tensor(seqs, dtype=torch.long, device=device),
-                   torch.tensor(rows, dtype=torch.long, device=device),
-                   torch.tensor(cu, dtype=torch.int32, device=device), max(lens, default=0))
+
+        def index(ids: list[int]):
+            if ids == list(range(ids[0], ids[-1] + 1)):
+                return slice(ids[0], ids[-1] + 1)
+            return torch.tensor(ids, dtype=torch.long, device=device)
+        return cls(index(seqs), index(rows), torch.tensor(cu, dtype=torch.int32, device=device),
+                   max(lens))
 
 
 def split_sequences(lens_q: list[int], min_new_tokens: int | None) -> tuple[list[int], list[int]]:
@@ -165,13 +171,13 @@ def latent_step_attention(layers, latent_cache, store, mla, block_tables: torch.
         absorbed, decompressed, (slots, cu_k) = groups
         if absorbed is not None:
             rows, seqs = absorbed.rows, absorbed.seqs
-            out.index_copy_(0, rows, absorbed_attention(
+            out[rows] = absorbed_attention(
                 attn, mla, q[rows], cache, block_tables[seqs], absorbed.cu_seqlens_q,
-                seq_lens[seqs], absorbed.max_query_len))
+                seq_lens[seqs], absorbed.max_query_len)
         k, v = attn.decompress(cache.reshape(-1, cache.shape[-1]).index_select(0, slots))
-        out.index_copy_(0, decompressed.rows, decompressed_attention(
+        out[decompressed.rows] = decompressed_attention(
             attn, q[decompressed.rows], k, v, decompressed.cu_seqlens_q, cu_k,
-            decompressed.max_query_len, flash=flash))
+            decompressed.max_query_len, flash=flash)
         return out
     return attention
 
