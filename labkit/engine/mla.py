@@ -341,9 +341,9 @@ def generate_greedy(model: MLAModel, prompt: list[int], max_new_tokens: int, *,
                     absorbed: bool = True, block_table: list[int] | None = None,
                     block_size: int = 16) -> list[int]:
     """``max_new_tokens`` greedy tokens after ``prompt``. absorbed: prefill the latent cache,
-    then decode one token a step, both through ``forward_paged`` (``block_table``: the physical blocks
-    the sequence uses, in order; default 0, 1, 2...). Otherwise recompute the whole sequence
-    through ``forward`` each step: the reference."""
+    then decode one token a step, both through ``forward_paged`` (``block_table``: the physical
+    blocks the sequence uses, in order; default 0, 1, 2...). Otherwise recompute the whole
+    sequence through ``forward`` each step: the reference."""
     device, tokens = model.lm_head.weight.device, list(prompt)
     if not absorbed:
         for _ in range(max_new_tokens):
