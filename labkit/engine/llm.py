@@ -120,6 +120,9 @@ class LLM(StepLoop):
             fused_ops = False  # the fused ops are the Llama layer's; an MLA model has its own
         self.config = self.model.config
         self.tokenizer = tokenizer
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
+                            f"{type(speculative).__name__}")
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -127,7 +130,9 @@ class LLM(StepLoop):
             token_buckets=None if cudagraph_capture_sizes is None else tuple(
                 cudagraph_capture_sizes), max_num_batched_tokens=max_num_batched_tokens,
             decode_context_buckets=None if decode_context_buckets is None else tuple(
-                decode_context_buckets), compile=bool(compile))
+                decode_context_buckets), compile=bool(compile),
+            num_speculative_tokens=None if speculative is None
+            else speculative.num_speculative_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
         if async_scheduling is None:  # speculation proposes from tokens read back already

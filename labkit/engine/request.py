@@ -110,7 +110,7 @@ class StepStats:
     num_decode_tokens: int
     num_prefill_seqs: int
     num_decode_seqs: int
-    padded_rows: int        # decode-only step padded up to its graph bucket
+    padded_rows: int        # decode-only or uniform verify step padded up to its graph bucket
     prefix_hit_tokens: int  # prompt tokens of newly admitted requests served from the cache
     num_preempted: int
     num_running: int        # after this step was scheduled

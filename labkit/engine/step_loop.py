@@ -66,7 +66,6 @@ class StepLoop:
         update N; so the host's scheduling and metadata copy overlap the device's compute.
         """
         finished = [self._finished.pop(rid) for rid in list(self._finished)]
-        self._capture_verify_graphs()
         launched = None
         if self.scheduler.has_unfinished_requests():
             step = self.scheduler.schedule()
@@ -121,13 +120,6 @@ class StepLoop:
         self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
                                             end, done.graph_tokens, done.graph_query_len))
         return [self._output(self._live.pop(r.request_id)) for r in finished]
-
-    def _capture_verify_graphs(self) -> None:
-        """Full graphs of uniform verify steps, once, where speculation runs under full graphs
-        (``ModelRunner.use_graphs``: the full modes, on CUDA)."""
-        spec = self.scheduler.config.speculative
-        if spec is not None and self.runner.use_graphs and self.runner.verify_graphs is None:
-            self.runner.capture_verify_graphs(spec.num_speculative_tokens)
 
     @property
     def graph_steps(self) -> dict[str, int]:
