@@ -99,8 +99,8 @@ def test_piecewise_graphs_replay_an_mla_model_with_the_same_tokens(model, expect
 
 @pytest.mark.parametrize("mode", ["none", "piecewise"])
 def test_compile_traces_an_mla_model_split_at_its_latent_attention(model, expected, mode):
-    """compile=True on the MLA model: Dynamo traces the absorbed path with attention the opaque
-    labkit::attention op (latent rows as k, no v, an out of the latent's width), Inductor
+    """compile=True on the MLA model: Dynamo traces it with attention the opaque
+    labkit::attention op (latent rows as k, no v, an out of the values' width), Inductor
     compiles the pieces, and under piecewise graphs the compiled pieces replay around it."""
     llm = LLM(model, device="cpu", compile=True, cudagraph_mode=mode, max_num_batched_tokens=16,
               max_num_seqs=4)

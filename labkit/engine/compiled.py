@@ -58,8 +58,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     """Layer ``layer``'s attention of this step (its K/V stored first): q [T, Hq, D] -> ``out``
     [T, Hq, D], filled in place. Opaque to Dynamo and Inductor, so the compiled graph splits
     here; ``out`` is allocated before the split, so under piecewise graphs it is memory of the
-    graph before, the same address at every replay. An MLA model passes its folded query, its
-    latent rows as ``k``, no ``v``, and an ``out`` of the latent's width
+    graph before, the same address at every replay. An MLA model passes its query
+    ``[q_nope ; q_pe]``, its latent rows as ``k``, no ``v``, and an ``out`` of the values' width
     (``MLAModel.hidden_states``)."""
     if not _STEP_ATTENTION:
         raise RuntimeError("labkit::attention ran outside attention_context(...): the runner "

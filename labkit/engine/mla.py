@@ -163,23 +163,6 @@ class MLAAttention(nn.Module):
         """Attention's per-head output [T, H, v_head_dim] -> [T, hidden]: o_proj."""
         return self.o_proj(out.to(self.o_proj.weight.dtype).flatten(1))
 
-    def through_latent(self, x: torch.Tensor, rotary, attend) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] with attention over the latent cache done by
-        ``attend(q, latent)``: q = [W_UK-folded q_nope ; q_pe] [T, H, rank + rope] and the
-        step's latent rows [T, 1, rank + rope] (c_kv then k_pe) in, the attention's latent
-        output [T, H, rank] out (the rows stored first); W_UV and o_proj follow here."""
-        return self.from_latent(attend(*self.to_latent(x, rotary)))
-
-    def to_latent(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (q [T, H, rank + rope] with W_UK folded in, the step's latent rows
-        [T, 1, rank + rope]): everything before attention, token by token."""
-        q, latent = self.to_heads(x, rotary)
-        return self.fold_query(q), latent
-
-    def from_latent(self, out_latent: torch.Tensor) -> torch.Tensor:
-        """Attention's latent output [T, H, rank] -> [T, hidden]: W_UV, then o_proj."""
-        return self.from_heads(self.unfold_output(out_latent))
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, **kw):
@@ -211,13 +194,14 @@ class MLALayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def before_attention(self, x: torch.Tensor, rotary):
-        """The layer up to attention on the absorbed path -> (q, latent rows, the residual x):
+        """The layer up to attention -> (q [T, H, nope + rope], latent rows, the residual x):
         token by token, so piecewise graphs capture it per token count."""
-        return (*self.self_attn.to_latent(self.input_layernorm(x), rotary), x)
+        return (*self.self_attn.to_heads(self.input_layernorm(x), rotary), x)
 
-    def after_attention(self, out_latent: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Attention's latent output [T, H, rank] and the residual -> the layer's output."""
-        return self.after_attention_output(residual + self.self_attn.from_latent(out_latent))
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Attention's per-head output [T, H, v_head_dim] and the residual -> the layer's
+        output."""
+        return self.after_attention_output(residual + self.self_attn.from_heads(out))
 
 
 class MLAModel(nn.Module):
@@ -228,9 +212,9 @@ class MLAModel(nn.Module):
     initialised: load a state dict.
 
     The engine runs it through ``hidden_states`` and ``compute_logits``, as it runs LlamaModel:
-    each layer hands the engine's attention function the folded query and the step's latent
-    rows (``MLAAttention.through_latent``), and the engine stores them in its latent cache and
-    attends with the selected backend's ``mla`` call."""
+    each layer hands the engine's attention function its query ``[q_nope ; q_pe]`` and the
+    step's latent rows (``MLAAttention.to_heads``); the engine stores the rows in its latent
+    cache and attends each sequence on its path (``mla_prefill.engine_latent_attention``)."""
     fused_ops = False  # the engine's fused Triton layer ops are the Llama layer's
 
     def __init__(self, config: ModelConfig, device=None, dtype=None):
@@ -269,15 +253,18 @@ class MLAModel(nn.Module):
                       fused_ops: bool | None = None) -> torch.Tensor:
         """The engine's forward: input_ids, positions [T] -> final-normed hidden [T, hidden].
         ``attention(layer, q, latent, None, out=...)`` stores the layer's latent rows and fills
-        ``out`` with its latent output [T, H, rank] (``through_latent``), allocated here: its
-        width is the latent's, not the query's. ``fused_ops`` is not used."""
+        ``out`` with the per-head output [T, H, v_head_dim], allocated here: its width is the
+        values', not the query's. ``fused_ops`` is not used."""
         rotary = rope_cos_sin(positions, self.inv_freq)
         x = self.model.embed_tokens(input_ids)
-        rank = self.config.kv_lora_rank
+        v_dim = self.config.v_head_dim
+
+        def attend(i, attn, h):
+            q, latent = attn.to_heads(h, rotary)
+            out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+            return attn.from_heads(attention(i, q, latent, None, out=out))
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, lambda attn, h: attn.through_latent(
-                h, rotary, lambda q, latent: attention(
-                    i, q, latent, None, out=q.new_empty(q.shape[0], q.shape[1], rank))))
+            x = layer(x, lambda attn, h: attend(i, attn, h))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,12 @@ counterpart for ``labkit.engine.mla.MLAModel``, so piecewise graphs replay its m
 
 The cut is the same: piece 0 embeds the tokens and runs layer 0 up to attention, piece i finishes
 layer i - 1 and runs layer i up to attention, piece L applies the final norm. What crosses the
-cut is the absorbed path's: the query with W_UK folded in ([T, H, rank + rope]) and the step's
-latent rows ([T, 1, rank + rope]) into attention, its latent output ([T, H, rank]) out, and the
-residual stream. On a GPU each piece writes its layer's latent rows into the paged latent cache
-itself (padding slots -1 skipped); on CPU the attention between the pieces stores them.
+cut is the query ``[q_nope ; q_pe]`` ([T, H, nope + rope]) and the step's latent rows
+([T, 1, rank + rope]) into attention, its per-head output ([T, H, v_head_dim]) out, and the
+residual stream: attention, eager between the pieces, folds W_UK in for the rows it absorbs and
+decompresses the context for the rows of a long prefill (``labkit.engine.mla_prefill``). On a
+GPU each piece writes its layer's latent rows into the paged latent cache itself (padding slots
+-1 skipped); on CPU the attention between the pieces stores them.
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ class MLAPiecewiseForward(StaticTokens):
         super().__init__(max_tokens, dev)
         self.model, self.cache = model, cache
         heads = c.num_attention_heads
-        self.q = torch.zeros(max_tokens, heads, c.latent_size, dtype=dtype, device=dev)
+        self.q = torch.zeros(max_tokens, heads, c.qk_head_dim, dtype=dtype, device=dev)
         self.latent = torch.zeros(max_tokens, 1, c.latent_size, dtype=dtype, device=dev)
         self.residual = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=dev)
-        self.attn = torch.zeros(max_tokens, heads, c.kv_lora_rank, dtype=dtype, device=dev)
+        self.attn = torch.zeros(max_tokens, heads, c.v_head_dim, dtype=dtype, device=dev)
         self.hidden = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=dev)
 
     @property
@@ -70,6 +72,6 @@ class MLAPiecewiseForward(StaticTokens):
 
     def attend(self, layer: int, n: int, attention, views=None) -> None:
         """Layer ``layer``'s attention on the ``n`` real tokens into ``attn`` (the runner's
-        latent attention fills the ``out=`` it is given)."""
+        MLA attention fills the ``out=`` it is given)."""
         q, latent, _, out = views or self.attention_views(n)
         attention(layer, q, latent, None, out=out)

@@ -4,7 +4,9 @@ The runner hands the model an attention function built for the step. In every la
 stores the step's new K/V into their slots and then runs the selected backend's paged attention
 over the cache: so a row reads its cached context and its own new tokens alike. With labkit's
 Triton kernel the launch is planned once for the step and each layer only launches. An MLA
-model's function stores the step's latent rows instead and attends with the backend's mla call.
+model's function stores the step's latent rows instead, then attends decode rows with the
+backend's mla call and prefill rows over decompressed keys and values
+(``labkit.engine.mla_prefill``).
 Built from the runner's own metadata, none of them reads a value back to the host.
 
 :class:`StepAttention` holds these builders; ``ModelRunner`` inherits them, so they read its
@@ -15,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from labkit.engine.device_metadata import DeviceMetadata
+from labkit.engine.mla_prefill import engine_latent_attention
 from labkit.engine.step_metadata import StepMetadata
 
 
@@ -59,7 +62,7 @@ class StepAttention:
         """The step's AttentionFn; ``store=False`` when the K/V were stored already (piecewise
         graphs store them inside the pieces)."""
         if self.mla:
-            return self._latent_attention(md, max_query_len, store=store)
+            return engine_latent_attention(self, md, max_query_len, store=store, host=host)
         cache, run = self.cache, self._paged(md, max_query_len, host)
 
         def attention(layer, q, k, v, out=None):
@@ -71,23 +74,4 @@ class StepAttention:
                 cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel,
                             check=False)
             return run(q, layer, out)
-        return attention
-
-    def _latent_attention(self, md: DeviceMetadata, max_query_len: int, *, store: bool = True):
-        """An MLA model's attention function: ``(layer, q, latent)`` with q [T, H, rank + rope]
-        (W_UK folded in) and the step's latent rows [T, 1, rank + rope]: the rows go into their
-        slots (unless ``store`` is off: piecewise graphs on a GPU stored them), then the
-        backend's mla call attends over the layer's latent cache -> [T, H, rank], into ``out``
-        when given. Built from the runner's own metadata: no host sync, so a decode graph can
-        capture it."""
-        cache, rank = self.cache, self.model.config.kv_lora_rank
-        mla, scale = self.backend.mla, self.model.attention_scale
-        tables, cu, lens, slots = md.block_tables, md.cu_seqlens_q, md.seq_lens, md.slot_mapping
-
-        def attention(layer, q, latent, v=None, out=None):
-            if store:
-                cache.write_latent(layer, latent[:, 0], slots, use_kernel=self.store_kernel,
-                                   check=False)
-            return mla(q[..., :rank], q[..., rank:], cache.latent_cache(layer), tables, cu, lens,
-                       scale=scale, check=False, max_query_len=max_query_len, out=out)
         return attention
