@@ -1,5 +1,6 @@
 """Interleaved rounds: every case timed in every round, medians with ranges, targets on ranges."""
 import itertools
+import time
 
 import pytest
 
@@ -68,3 +69,26 @@ def test_a_real_timing_runs_each_case_every_round():
     r = interleaved({k: (lambda k=k: next(counts[k])) for k in counts}, rounds=3, warmup=1,
                     repeats=2, device="cpu")
     assert next(counts["x"]) == 3 * (1 + 2) and len(r.table()) == 2
+
+
+def test_flush_l2_reaches_the_timer_and_a_timer_that_cannot_flush_is_not_asked():
+    seen = []
+
+    def timer(fn, **kwargs):
+        seen.append(kwargs.get("flush_l2"))
+        return Timing(1, 1, 1, 1, 1, "cpu", "fake")
+    interleaved(cases("a", "b"), rounds=3, timer=timer, flush_l2=True)
+    assert seen == [True] * 6
+    seen.clear()
+    interleaved(cases("a"), rounds=3, timer=lambda fn, device, warmup, repeats:
+                seen.append(None) or Timing(1, 1, 1, 1, 1, "cpu", "fake"))
+    assert seen == [None] * 3
+
+
+def test_flushed_rounds_time_the_work_not_the_flush(monkeypatch):
+    from labkit.measure import bench
+
+    monkeypatch.setattr(bench, "l2_flush", lambda dev: lambda: time.sleep(0.01))
+    r = interleaved(cases("a", "b"), rounds=3, device="cpu", warmup=0, repeats=2, flush_l2=True)
+    assert all(t.l2_flushed for ts in r.timings.values() for t in ts)
+    assert r.us("a").high < 5_000, "the flush was timed"

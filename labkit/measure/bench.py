@@ -3,8 +3,14 @@
 GPU work is asynchronous: a host clock read right after a launch measures the launch, not the
 kernel. So on a GPU each sample is bracketed by CUDA events; on a CPU we synchronise and read
 ``perf_counter``. Both warm up first (compilation, allocator, caches), take many samples and
-report the median with the 20th-80th percentile spread. Inputs small enough to stay in L2 are
-rotated through enough copies that every sample reads from HBM, as a real model step would.
+report the median with the 20th-80th percentile spread.
+
+A call whose data fits in the L2 finds it still there when it is timed again, and measures the
+cache instead of memory; a real model step finds its inputs in HBM. So every timed case says
+which of three things holds (:func:`l2_statement`): its working set is over twice the L2 (read
+from HBM every call), its inputs rotate over enough sets (``make_inputs``), or the L2 is flushed
+between samples (``flush_l2``): a buffer twice the L2 written before each sample's start mark,
+never inside the timed region.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class Timing:
     device: str
     method: str
     input_sets: int = 1
+    l2_flushed: bool = False
 
     @property
     def spread(self) -> float:
@@ -55,6 +62,49 @@ def cache_bytes(device: torch.device) -> int:
     return 32 * 2**20
 
 
+def cache_name(device: torch.device) -> str:
+    return "L2" if device.type == "cuda" else "CPU cache"
+
+
+def l2_flush(device: torch.device) -> Callable[[], None]:
+    """A function that evicts the cache: it writes a buffer of twice :func:`cache_bytes`, so
+    whatever the timed call read last is gone. It runs between samples, never inside one."""
+    buffer = torch.empty(2 * cache_bytes(device), dtype=torch.uint8, device=device)
+    return buffer.zero_
+
+
+def flush_needed(bytes_read: int, device: str | torch.device = "auto") -> bool:
+    """Whether a call reading ``bytes_read`` could find part of it still cached from the call
+    before: at most twice the cache (past that, each call evicts what the next one reads)."""
+    return bytes_read <= 2 * cache_bytes(select_device(device))
+
+
+def _mib(nbytes: float) -> str:
+    mib = nbytes / 2**20
+    return f"{mib:,.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
+
+
+def l2_statement(bytes_read: int, device: str | torch.device = "auto", *, flushed: bool = False,
+                 input_sets: int = 1) -> str:
+    """What a timed case read its data from, in one line: its working set (``bytes_read`` per
+    call) over twice the cache, its inputs rotated over ``input_sets`` sets, or the cache
+    ``flushed`` between samples (a :class:`Timing` carries both). A working set that fits and
+    is neither is refused: its time would be the cache's."""
+    dev = select_device(device)
+    cache, name = cache_bytes(dev), cache_name(dev)
+    if input_sets > 1:
+        return f"inputs rotated over {input_sets} sets of {_mib(bytes_read)}"
+    if flushed:
+        return f"{name} flushed between samples (working set {_mib(bytes_read)})"
+    if bytes_read > 2 * cache:
+        memory = "HBM" if dev.type == "cuda" else "memory"
+        return (f"working set {_mib(bytes_read)} > 2x {name} ({_mib(2 * cache)}): read from "
+                f"{memory} every call")
+    raise ValueError(f"a working set of {_mib(bytes_read)} fits in 2x the {name} "
+                     f"({_mib(2 * cache)}) and was neither flushed nor rotated, so its time is "
+                     "the cache's: time it with flush_l2=True (or rotate its inputs)")
+
+
 def _tensor_bytes(args: Sequence) -> int:
     return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
@@ -74,16 +124,24 @@ def measure(
     repeats: int = 25,
     calls_per_sample: int = 1,
     rotate: bool = True,
+    flush_l2: bool = False,
 ) -> Timing:
     """Time ``fn(*make_inputs())``; returns the per-call time.
 
     ``calls_per_sample`` > 1 amortises the clock for calls far shorter than its resolution.
     With ``rotate`` and inputs smaller than twice the cache, enough input sets are made that
-    consecutive calls never find their data still cached.
+    consecutive calls never find their data still cached. ``flush_l2`` evicts the cache before
+    each sample, outside its timed region; the flush keeps the GPU busy while the host queues
+    the sample, so it suits GPU-bound calls (a host-bound one would hide host time behind it).
     """
     if repeats < 1 or warmup < 0 or calls_per_sample < 1:
         raise ValueError(f"need repeats >= 1, warmup >= 0, calls_per_sample >= 1; got "
                          f"{repeats}, {warmup}, {calls_per_sample}")
+    if flush_l2 and calls_per_sample > 1:
+        raise ValueError(f"flush_l2=True needs calls_per_sample=1, got calls_per_sample="
+                         f"{calls_per_sample}: the flush runs between samples, so every call of "
+                         "a sample after its first would find the cache warm. Time one call per "
+                         "sample, or rotate inputs (make_inputs) instead of flushing")
     dev = select_device(device)
     input_sets: list[Sequence] = [make_inputs() if make_inputs else ()]
     one_set = _tensor_bytes(input_sets[0])
@@ -99,33 +157,55 @@ def measure(
         calls += 1
         return fn(*args)
 
+    flush = l2_flush(dev) if flush_l2 else None
     for _ in range(warmup):
         call()
-    samples: list[float] = []
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        for i in range(repeats):
-            starts[i].record()
-            for _ in range(calls_per_sample):
-                call()
-            ends[i].record()
-        torch.cuda.synchronize(dev)
-        samples = [s.elapsed_time(e) * 1e3 / calls_per_sample for s, e in zip(starts, ends)]
-        method = "cuda events"
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls_per_sample):
-                call()
-            samples.append((time.perf_counter() - t0) * 1e6 / calls_per_sample)
-        method = "perf_counter"
-    xs = sorted(samples)
+    clock = _EventClock(dev, repeats) if dev.type == "cuda" else _HostClock(repeats)
+    for i in range(repeats):
+        if flush is not None:
+            flush()  # before the start mark: on a GPU the start event waits for it in stream order
+        clock.mark(i, 0)
+        for _ in range(calls_per_sample):
+            call()
+        clock.mark(i, 1)
+    xs = sorted(us / calls_per_sample for us in clock.samples_us())
     return Timing(
         median_us=statistics.median(xs), p20_us=_percentile(xs, 0.2), p80_us=_percentile(xs, 0.8),
-        min_us=xs[0], repeats=repeats, device=str(dev), method=method, input_sets=len(input_sets),
+        min_us=xs[0], repeats=repeats, device=str(dev), method=clock.method,
+        input_sets=len(input_sets), l2_flushed=flush is not None,
     )
+
+
+class _EventClock:
+    """Start and end marks as CUDA events: the GPU's own timestamps, in stream order."""
+    method = "cuda events"
+
+    def __init__(self, dev: torch.device, repeats: int):
+        self.dev = dev
+        torch.cuda.synchronize(dev)  # the warm-up's work is not the first sample's
+        self.marks = [[torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                      for _ in range(repeats)]
+
+    def mark(self, i: int, end: int) -> None:
+        self.marks[i][end].record()
+
+    def samples_us(self) -> list[float]:
+        torch.cuda.synchronize(self.dev)
+        return [start.elapsed_time(end) * 1e3 for start, end in self.marks]
+
+
+class _HostClock:
+    """Start and end marks from ``perf_counter``: on a CPU the work is done when the call returns."""
+    method = "perf_counter"
+
+    def __init__(self, repeats: int):
+        self.marks = [[0.0, 0.0] for _ in range(repeats)]
+
+    def mark(self, i: int, end: int) -> None:
+        self.marks[i][end] = time.perf_counter()
+
+    def samples_us(self) -> list[float]:
+        return [(end - start) * 1e6 for start, end in self.marks]
 
 
 def gbps(nbytes: float, t: Timing) -> float:

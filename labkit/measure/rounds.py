@@ -111,10 +111,12 @@ class Rounds:
 
 def interleaved(cases: Mapping[str, Callable[[], object]], *, rounds: int = 5,
                 shuffle: bool = False, seed: int = 0, device="auto", warmup: int = 2,
-                repeats: int = 10, timer: Callable[..., Timing] = measure) -> Rounds:
+                repeats: int = 10, timer: Callable[..., Timing] = measure,
+                flush_l2: bool = False) -> Rounds:
     """Time every case once per round, the cases alternating within each round (A B, A B, ...;
     with ``shuffle`` a fresh order each round, drawn from ``seed``). At least 3 rounds: with two
-    a range says little, with one it says nothing."""
+    a range says little, with one it says nothing. ``flush_l2`` goes to the timer (the cache
+    flushed before every sample of every case: :func:`labkit.measure.bench.measure`)."""
     if len(cases) < 1:
         raise ValueError("interleaved needs at least one case to time")
     check_positive_int("rounds", rounds)
@@ -123,10 +125,12 @@ def interleaved(cases: Mapping[str, Callable[[], object]], *, rounds: int = 5,
     names = list(cases)
     rng = random.Random(seed)
     timings: dict[str, list[Timing]] = {name: [] for name in names}
+    flush = {"flush_l2": True} if flush_l2 else {}  # a timer that cannot flush is never asked to
     orders = []
     for _ in range(rounds):
         order = rng.sample(names, len(names)) if shuffle else names
         for name in order:
-            timings[name].append(timer(cases[name], device=device, warmup=warmup, repeats=repeats))
+            timings[name].append(timer(cases[name], device=device, warmup=warmup,
+                                       repeats=repeats, **flush))
         orders.append(tuple(order))
     return Rounds({k: tuple(v) for k, v in timings.items()}, tuple(orders))
