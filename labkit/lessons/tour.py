@@ -72,6 +72,9 @@ SEQUENCE = [
      "graph replay, capture errors", "the same pitfalls live via a stand-in, recorded GPU figures"),
     ("03_torch_compile", "Dynamo -> FX -> Inductor, graph breaks, guards, recompiles, modes",
      "reduce-overhead mode", "Inductor's C++ path, live"),
+    ("03a_compile_in_the_engine", "the engine's model as plain ops, hand-fused Triton and "
+     "Inductor: kernel census, replayed step, compile cost", "replayed step, compile",
+     "recorded H200 table"),
     ("04_pinned_memory_streams", "pageable vs pinned H2D, streams, events, overlap",
      "streams, pinned DMA", "recorded figures, synchronous API"),
     ("05_paged_kv_cache", "block tables, fragmentation, MHA/GQA/MLA bytes, fp8 scales, prefix "

@@ -128,6 +128,25 @@ def _dense(inputs, top: int):
     return tuple(x[:top] for x in inputs)
 
 
+def decode_inputs(llm: LLM, batch: int, context_len: int) -> tuple[torch.Tensor, ...]:
+    """``runner.decode_forward``'s inputs for ``batch`` rows of ``context_len`` tokens of
+    context each (all rows reading the same blocks), for timing: every slot is PAD, so a step
+    reads the cache and writes nothing."""
+    r, dev = llm.runner, llm.device
+    width = r.max_blocks_per_seq
+    n_blocks = math.ceil(context_len / r.block_size)
+    if n_blocks > min(width, r.num_blocks):
+        raise ValueError(f"context_len {context_len} needs {n_blocks} blocks; this engine has "
+                         f"{r.num_blocks} (max {width} per sequence): use a shorter context")
+    ids = torch.zeros(batch, dtype=torch.int32, device=dev)
+    pos = torch.full_like(ids, context_len - 1)
+    slots = torch.full_like(ids, PAD)
+    tables = torch.full((batch, width), PAD, dtype=torch.int32, device=dev)
+    tables[:, :n_blocks] = torch.arange(n_blocks, dtype=torch.int32, device=dev)
+    lens = torch.full_like(ids, context_len)
+    return ids, pos, slots, tables, lens
+
+
 def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10,
                       rounds: int = 3) -> pd.DataFrame:
     """One decode step of ``llm``'s model at each batch size (every row ``context_len`` tokens of
@@ -141,18 +160,7 @@ def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10,
     from labkit.measure.rounds import interleaved
 
     r, dev = llm.runner, llm.device
-    top, width = max(batches), r.max_blocks_per_seq
-    n_blocks = math.ceil(context_len / r.block_size)
-    if n_blocks > min(width, r.num_blocks):
-        raise ValueError(f"context_len {context_len} needs {n_blocks} blocks; this engine has "
-                         f"{r.num_blocks} (max {width} per sequence): use a shorter context")
-    ids = torch.zeros(top, dtype=torch.int32, device=dev)
-    pos = torch.full_like(ids, context_len - 1)
-    slots = torch.full_like(ids, PAD)  # timing only: read the cache, write nothing
-    tables = torch.full((top, width), PAD, dtype=torch.int32, device=dev)
-    tables[:, :n_blocks] = torch.arange(n_blocks, dtype=torch.int32, device=dev)
-    lens = torch.full_like(ids, context_len)
-    inputs = (ids, pos, slots, tables, lens)
+    inputs = decode_inputs(llm, max(batches), context_len)
     pool = None
     if dev.type == "cuda" and r.backend.cuda_graphs != "never":
         pool = GraphPool(r.decode_forward, batches, pad_value=PAD)
