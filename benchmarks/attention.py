@@ -13,9 +13,11 @@
 
 Within a section every peer is timed in the same interleaved rounds (A B C, A B C, ...), so a
 drift of the clocks lands on all of them; each keeps its per-round medians (``rounds_us``,
-round i of every peer ran together), its median and range. A ratio is taken within each round
-and reported with its range: ``ratio(a, b)``. A peer that cannot run here is kept with its error,
-never silently dropped. ``record()`` returns all of it as a JSON-serialisable dict
+round i of every peer ran together), its median and range, and its ``l2``: what it read its
+data from (a working set over twice the L2, or the L2 flushed between samples where a section's
+working set fits in twice it: the block sweep's shortest context). A ratio is taken within each
+round and reported with its range: ``ratio(a, b)``. A peer that cannot run here is kept with its
+error, never silently dropped. ``record()`` returns all of it as a JSON-serialisable dict
 (``make record``).
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 import labkit  # noqa: F401
 from labkit.device import describe, free_memory, synchronize
-from labkit.measure.bench import save_results
+from labkit.measure.bench import flush_needed, l2_statement, save_results
 from labkit.measure.rounds import Spread, interleaved
 
 DEV = "cuda"
@@ -40,10 +42,13 @@ def _error(exc: Exception) -> dict:
     return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
-def timed(peers: dict, rounds: int = ROUNDS, repeats: int = 20) -> dict:
+def timed(peers: dict, bytes_read: dict, rounds: int = ROUNDS, repeats: int = 20) -> dict:
     """Every peer that runs here, timed in the same interleaved rounds: ``{label: {"us", "us_range",
-    "rounds_us"}}``; a peer whose first call raises is ``{"error": ...}``. The first call (and
-    the timer's warm-up) is outside the timed region: compiles and autotuning happen there."""
+    "rounds_us", "l2"}}``; a peer whose first call raises is ``{"error": ...}``. The first call
+    (and the timer's warm-up) is outside the timed region: compiles and autotuning happen there.
+    ``bytes_read``: per label, the bytes one call reads; where any fits in twice the L2, every
+    peer is timed with the L2 flushed between samples, so the rounds stay comparable."""
+    flush = any(flush_needed(bytes_read[label], DEV) for label in peers)
     runnable, out = {}, {}
     for label, make in peers.items():
         try:
@@ -55,11 +60,19 @@ def timed(peers: dict, rounds: int = ROUNDS, repeats: int = 20) -> dict:
             print(f"  {label}: not available ({type(exc).__name__}: {str(exc)[:200]})")
             out[label] = _error(exc)
     if runnable:
-        result = interleaved(runnable, rounds=rounds, device=DEV, warmup=3, repeats=repeats)
+        result = interleaved(runnable, rounds=rounds, device=DEV, warmup=3, repeats=repeats,
+                             flush_l2=flush)
         for label in runnable:
             s = result.us(label)
-            out[label] = {"us": s.median, "us_range": [s.low, s.high], "rounds_us": list(s.values)}
+            out[label] = {"us": s.median, "us_range": [s.low, s.high], "rounds_us": list(s.values),
+                          "l2": l2_statement(bytes_read[label], DEV, flushed=flush)}
     return {label: out[label] for label in peers}
+
+
+def print_l2(results) -> None:
+    """The section's L2 statements, each once."""
+    for line in dict.fromkeys(r["l2"] for r in results if isinstance(r, dict) and "l2" in r):
+        print(f"  L2: {line}")
 
 
 def ratio(a: dict, b: dict) -> Spread | None:
@@ -94,7 +107,7 @@ def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """GB/s of a device-to-device copy (read + write counted): the ceiling decode aims at."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=DEV).normal_()
     dst = torch.empty_like(src)
-    res = timed({"copy": _now(lambda: dst.copy_(src))})["copy"]
+    res = timed({"copy": _now(lambda: dst.copy_(src))}, {"copy": nbytes})["copy"]
     _add_rate(res, 2 * nbytes, "gbps", 1e9)
     return res
 
@@ -122,7 +135,7 @@ def prefill(B=4, H=32, S=4096, D=128) -> dict:
         compiled = torch.compile(flex_attention, dynamic=False)
         return lambda: compiled(q, k, v, block_mask=mask)
 
-    res = timed({
+    peers = {
         # Engines build cu_seqlens themselves, so they skip the checks that read it (host syncs).
         "triton (ours)": _now(lambda: flash_attention(*packed, cu, cu, max_seqlen_q=S,
                                                       check=False)),
@@ -132,10 +145,12 @@ def prefill(B=4, H=32, S=4096, D=128) -> dict:
         "sdpa flash": _now(sdpa(SDPBackend.FLASH_ATTENTION)),
         "sdpa cudnn": _now(sdpa(SDPBackend.CUDNN_ATTENTION)),
         "flex": flex,
-    })
+    }
+    res = timed(peers, dict.fromkeys(peers, 3 * B * H * S * D * 2))  # q, k and v
     for r in res.values():
         _add_rate(r, flops, "tflops", 1e12)
     print(f"causal prefill B{B} H{H} S{S} D{D} bf16, {ROUNDS} interleaved rounds")
+    print_l2(res.values())
     for name, r in res.items():
         vs = ratio(r, res["triton (ours)"])
         if vs is not None:
@@ -212,12 +227,15 @@ def decode(copy_gbps, B=64, Hq=32, Hkv=8, ctx=4096, D=128, block_size=16) -> dic
 
     peers["sdpa flash"] = _replayed(sdpa_gqa)
     peers["flex"] = flex
-    res = {"kv_bytes": kv_bytes, "copy_gbps": copy_gbps, **timed(peers)}
+    # every peer reads the whole cache (fp8: half the bytes); q and the tables are small
+    reads = {label: kv_bytes // (2 if label.startswith("fp8") else 1) for label in peers}
+    res = {"kv_bytes": kv_bytes, "copy_gbps": copy_gbps, **timed(peers, reads)}
     for label in peers:
         _add_rate(res[label], kv_bytes // (2 if label.startswith("fp8") else 1), "gbps", 1e9)
         _add_rate(res[label], B, "tokens_per_s", 1)
     print(f"paged decode B{B} GQA {Hq}/{Hkv} ctx {ctx} D{D} bf16 block {block_size}: copy "
           f"bandwidth {copy_gbps:.0f} GB/s, {ROUNDS} interleaved rounds")
+    print_l2(res[name] for name in peers)
     for name in peers:
         r = res[name]
         if "us" in r:
@@ -252,12 +270,12 @@ def long_context(copy_gbps, ctx=32768, Hq=32, Hkv=8, D=128) -> dict:
         peers = {f"B{B} {label}": _paged(args, **kw) for label, kw in {
             "split (auto)": {}, "no split": {"num_splits": 1},
             "split, launched from Python": {"graph": False}}.items()}
-        for label, r in timed(peers).items():
+        for label, r in timed(peers, dict.fromkeys(peers, kv_bytes)).items():
             _add_rate(r, kv_bytes, "gbps", 1e9)
             res[label] = r
             if "us" in r:
                 print(f"  {label:<32} {r['us']:>8.1f} us {r['gbps']:>7.0f} GB/s "
-                      f"= {r['gbps'] / copy_gbps:.0%} of copy")
+                      f"= {r['gbps'] / copy_gbps:.0%} of copy; L2: {r['l2']}")
         free_memory(DEV)
     return res
 
@@ -266,7 +284,8 @@ def block_sweep(copy_gbps, out_dir: Path | None, B=16, Hq=32, Hkv=8, D=128) -> l
     rows = []
     for ctx in (1024, 4096, 16384):  # the block sizes of one context in the same rounds
         inputs = {bs: _paged_inputs(B, Hq, Hkv, ctx, D, bs) for bs in (16, 32, 64, 128, 256)}
-        res = timed({bs: _paged(args) for bs, (args, _, _) in inputs.items()}, rounds=3)
+        res = timed({bs: _paged(args) for bs, (args, _, _) in inputs.items()},
+                    {bs: kv_bytes for bs, (_, _, kv_bytes) in inputs.items()}, rounds=3)
         for bs, (_, _, kv_bytes) in inputs.items():
             r = res[bs]
             if "us" not in r:
@@ -275,14 +294,14 @@ def block_sweep(copy_gbps, out_dir: Path | None, B=16, Hq=32, Hkv=8, D=128) -> l
             rows.append({"block_size": bs, "context": ctx, "batch": B, "us": round(r["us"], 2),
                          "us_low": round(r["us_range"][0], 2),
                          "us_high": round(r["us_range"][1], 2), "gbps": round(r["gbps"], 1),
-                         "fraction_of_copy": round(r["gbps"] / copy_gbps, 3)})
+                         "fraction_of_copy": round(r["gbps"] / copy_gbps, 3), "l2": r["l2"]})
         del inputs
         free_memory(DEV)
     rows.sort(key=lambda r: (r["block_size"], r["context"]))
     print(f"block-size sweep (B{B} GQA {Hq}/{Hkv} D{D} bf16), GB/s:")
     for r in rows:
         print(f"  block {r['block_size']:>3} ctx {r['context']:>6}: {r['gbps']:>7.0f} GB/s "
-              f"({r['fraction_of_copy']:.0%} of copy)")
+              f"({r['fraction_of_copy']:.0%} of copy); L2: {r['l2']}")
     if out_dir is not None and rows:
         with open(out_dir / "attention_block_sweep.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -295,7 +314,11 @@ def registry() -> list[dict]:
     """The registry's backends at the prefill and decode shapes, called as an engine calls them."""
     from labkit.lessons.attention_backends import roofline as rl
     from labkit.tools.recorded import json_columns
-    table = rl.registry_points([rl.prefill_workload(), rl.decode_workload()], DEV)
+    workloads = [rl.prefill_workload(), rl.decode_workload()]
+    table = rl.registry_points(workloads, DEV)
+    # not flushed: each workload's least traffic is over twice the L2 (l2_statement refuses less)
+    table["l2"] = table.workload.map({w.name: l2_statement(w.bytes_moved(), DEV)
+                                      for w in workloads})
     print(table.drop(columns=["timing"], errors="ignore").to_string())
     return json_columns(table)
 
