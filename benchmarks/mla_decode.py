@@ -20,9 +20,11 @@ it; at 128 heads about 240, over the ridge: the tensor cores bound it, and no ke
 of copy bandwidth there. Each MLA case prints its TFLOP/s and the time the tighter of the two
 roofs allows.
 
-Every cache here is larger than the H200's 60 MB L2, so each call reads it from HBM; no flush
-is needed. The cases of a section are timed in the same interleaved rounds; each figure is the
-median with its range, and a target is met only when the whole range clears it.
+The batch-64 caches (288 MiB of latent, 1 GiB of GQA K and V) are over twice the L2, so each
+call reads them from HBM; batch 1's latent cache at 32k tokens is 36 MiB, which the H200's L2
+holds, so that section flushes the L2 between samples. Each case's ``l2`` says which. The cases
+of a section are timed in the same interleaved rounds; each figure is the median with its range,
+and a target is met only when the whole range clears it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit.device import describe, free_memory
 from labkit.lessons.mla import (RANK, ROPE, SCALE, decode_inputs, gqa_decode, latent_decode, rate,
                                 roofs, timed)
-from labkit.measure.bench import save_results
+from labkit.measure.bench import flush_needed, l2_statement, save_results
 
 DEV = "cuda"
 ROUNDS = 5
@@ -51,6 +53,8 @@ def run(out_dir: Path | None = None) -> dict:
     print(f"roofs: copy {roof['copy_gbps']:.0f} GB/s ({roof['copy']['gbps_range'][0]:.0f}-"
           f"{roof['copy']['gbps_range'][1]:.0f}), bf16 matmul (8192^3) "
           f"{roof['matmul_tflops']:.0f} TFLOP/s: ridge {roof['ridge']:.0f} FLOPs a byte")
+    roof["copy"]["l2"] = l2_statement(2 * 2**30, DEV)  # a 2 GiB source, as roofs() copies
+    roof["matmul_l2"] = l2_statement(2 * 8192 * 8192 * 2, DEV)  # a and b of the bf16 8192^3
     results = {**roof, "rounds": ROUNDS, "sections": {}}
     sections = {
         "batch 64": {f"MLA {h} heads": (lambda h=h: latent_decode(64, h, 4096)) for h in (16, 128)}
@@ -67,9 +71,14 @@ def run(out_dir: Path | None = None) -> dict:
         cases, nbytes = {}, {}
         for name, build in builders.items():
             cases[name], nbytes[name] = build()
-        res = rate(timed(cases, nbytes, ROUNDS, DEV), shapes, roof)
+        flush = any(flush_needed(b, DEV) for b in nbytes.values())
+        res = rate(timed(cases, nbytes, ROUNDS, DEV, flush_l2=flush), shapes, roof)
+        for name, r in res.items():
+            r["l2"] = l2_statement(nbytes[name], DEV, flushed=flush)
         target = TARGETS[section]
         print(f"{section}: context {4096 if section == 'batch 64' else 32768}")
+        for line in dict.fromkeys(r["l2"] for r in res.values()):
+            print(f"  L2: {line}")
         for name, r in res.items():
             line = (f"  {name:<32} {r['us']:>8.1f} us  {r['gbps']:>6.0f} GB/s  "
                     f"{r['copy_share']:.0%} of copy ({r['copy_share_range'][0]:.0%}-"
@@ -103,10 +112,11 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
     from labkit.kernels.paged_mla_attention import plan_mla
     from labkit.lessons.mla import replayed
     from labkit.measure.bench import measure
-    rows = []
+    rows = []  # the L2 is flushed where a case's cache fits in twice it (batch 1)
     for batch, heads, ctx in ((64, 16, 4096), (64, 128, 4096), (1, 16, 32768), (1, 128, 32768)):
         ql, qr, cache, table, cu, lens, out = decode_inputs(batch, heads, ctx, device=DEV)
         nbytes = batch * ctx * (RANK + ROPE) * 2
+        flush = flush_needed(nbytes, DEV)
         base = plan_mla(heads, RANK, cache.shape, batch, ctx, 1, DEV, scale=SCALE)
         splits = (1, 2, 4) if batch > 1 else (16, 32, 64)
         for group, bn, warps, stages, ns in itertools.product(
@@ -119,11 +129,12 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
                 grid=(batch, cdiv(heads, group), ns), num_splits=ns,
                 keys_per_split=cdiv(cdiv(ctx, ns), bn) * bn)
             row = {"batch": batch, "heads": heads, "ctx": ctx, "group": group, "block_n": bn,
-                   "warps": warps, "stages": stages, "splits": ns}
+                   "warps": warps, "stages": stages, "splits": ns,
+                   "l2": l2_statement(nbytes, DEV, flushed=flush)}
             try:
                 fn = lambda plan=plan: plan.run(ql, qr, cache, table, cu, lens, out=out)
                 replay = replayed(fn)
-                t = measure(replay, device=DEV, warmup=2, repeats=10)
+                t = measure(replay, device=DEV, warmup=2, repeats=10, flush_l2=flush)
                 row |= {"us": t.median_us, "gbps": nbytes / (t.median_us * 1e3)}
             except Exception as e:  # noqa: BLE001 (a setting that does not fit is a result)
                 row["error"] = f"{type(e).__name__}: {e}"[:120]
@@ -131,7 +142,8 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
         done = [r for r in rows if r["heads"] == heads and r["batch"] == batch and "us" in r]
         done.sort(key=lambda r: r["us"])
         print(f"batch {batch} heads {heads} ctx {ctx}: plan_mla's choice "
-              f"{base.consts} {base.launch} splits {base.num_splits}; fastest:")
+              f"{base.consts} {base.launch} splits {base.num_splits}; L2: "
+              f"{l2_statement(nbytes, DEV, flushed=flush)}; fastest:")
         for r in done[:6]:
             print(f"  group {r['group']:>3} block_n {r['block_n']:>3} warps {r['warps']} "
                   f"stages {r['stages']} splits {r['splits']:>2}: {r['us']:8.1f} us "

@@ -66,10 +66,13 @@ def gqa_decode(batch: int, ctx: int, seed=0, device="cuda"):
     return replayed(call), 2 * batch * ctx * 8 * 128 * 2
 
 
-def timed(cases: dict, nbytes: dict, rounds: int = 5, device="cuda") -> dict:
-    """Each case's microseconds and GB/s over interleaved rounds: medians with their ranges."""
+def timed(cases: dict, nbytes: dict, rounds: int = 5, device="cuda", flush_l2: bool = False
+          ) -> dict:
+    """Each case's microseconds and GB/s over interleaved rounds: medians with their ranges
+    (``flush_l2``: the L2 flushed between samples, for caches that fit in twice it)."""
     from labkit.measure.rounds import Spread, interleaved
-    timings = interleaved(cases, rounds=rounds, device=device, warmup=3, repeats=20)
+    timings = interleaved(cases, rounds=rounds, device=device, warmup=3, repeats=20,
+                          flush_l2=flush_l2)
     out = {}
     for name in cases:
         us = timings.us(name)
