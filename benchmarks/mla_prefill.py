@@ -26,7 +26,7 @@ from labkit.device import describe, free_memory
 from labkit.engine import ModelConfig
 from labkit.engine.mla import MLAAttention
 from labkit.lessons.mla import prefill_flops, prefill_paths
-from labkit.measure.bench import save_results
+from labkit.measure.bench import flush_needed, l2_statement, save_results
 from labkit.measure.rounds import interleaved
 
 DEV = "cuda"
@@ -51,6 +51,15 @@ def case(attention: MLAAttention, seq_len: int, seed: int = 0) -> dict:
     return prefill_paths(attention, q_nope, q_pe, cache, table, seq_len)
 
 
+def bytes_read(attention: MLAAttention, seq_len: int) -> int:
+    """What one prefill call reads: the queries, the sequence's latent rows and kv_b_proj (W_UK
+    and W_UV), all bf16. At 1,024 tokens they fit in twice the L2, so those rounds flush it."""
+    c, w = attention.config, attention.kv_b_proj.weight
+    q = seq_len * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    rows = -(-seq_len // BLOCK) * BLOCK * c.latent_size
+    return (q + rows + w.numel()) * w.element_size()
+
+
 @torch.no_grad()
 def run(out_dir: Path | None = None) -> dict:
     if not torch.cuda.is_available():
@@ -64,9 +73,12 @@ def run(out_dir: Path | None = None) -> dict:
         paths = case(attention, seq_len)
         a, d = paths["absorbed"](), paths["decompressed"]()
         err = float((a.float() - d.float()).abs().max() / d.float().abs().max())
-        timings = interleaved(paths, rounds=ROUNDS, device=DEV, warmup=2, repeats=5)
+        flush = flush_needed(bytes_read(attention, seq_len), DEV)
+        timings = interleaved(paths, rounds=ROUNDS, device=DEV, warmup=2, repeats=5,
+                              flush_l2=flush)
         flops = prefill_flops(config, seq_len)
-        row = {"max_rel_diff": err}
+        row = {"max_rel_diff": err,
+               "l2": l2_statement(bytes_read(attention, seq_len), DEV, flushed=flush)}
         for name in paths:
             us = timings.us(name)
             row[name] = {"us": us.median, "us_range": [us.low, us.high],
@@ -80,7 +92,8 @@ def run(out_dir: Path | None = None) -> dict:
               f"({row['absorbed']['tflops']:.0f} TFLOP/s), decompressed "
               f"{row['decompressed']['us']:9.1f} us ({row['decompressed']['tflops']:.0f} "
               f"TFLOP/s); absorbed / decompressed {ratio.median:.2f} ({ratio.low:.2f}-"
-              f"{ratio.high:.2f}): faster {faster}; outputs differ by {err:.1e} (relative)")
+              f"{ratio.high:.2f}): faster {faster}; outputs differ by {err:.1e} (relative); "
+              f"L2: {row['l2']}")
         results[seq_len] = row
         del paths
         free_memory(DEV)
