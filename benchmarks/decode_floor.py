@@ -28,7 +28,7 @@ from labkit.engine.model import FusedOps, skinny_matmuls
 from labkit.engine.runner import ModelRunner
 from labkit.graphs import capture_graph
 from labkit.kernels.skinny_linear import TUNED, skinny_linear
-from labkit.measure.bench import measure
+from labkit.measure.bench import flush_needed, l2_statement, measure
 from labkit.measure.peaks import copy_bandwidth
 from labkit.measure.profile import trace
 from labkit.measure.rounds import interleaved
@@ -105,13 +105,15 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
                          "floor_ms": floor_ms, "floor_fraction": floor_ms / (t.median / 1e3),
                          "floor_fraction_low": floor_ms / (t.high / 1e3),
                          "floor_fraction_high": floor_ms / (t.low / 1e3),
-                         "kernels": census[f"B{batch} {name}"]["kernels"], **cost})
+                         "kernels": census[f"B{batch} {name}"]["kernels"], **cost,
+                         "l2": l2_statement(cost["bytes"], dev)})  # the weights alone: 2+ GB
         gain = timed.ratio("cublas", "skinny")
         rows[-1]["skinny_gain"] = gain.median
         rows[-1]["skinny_gain_low"], rows[-1]["skinny_gain_high"] = gain.low, gain.high
         del cases, keep, timed
         free_memory(dev)
-    return {"rows": rows, "census": census, "copy_gbps": copy_gbps}
+    return {"rows": rows, "census": census, "copy_gbps": copy_gbps,
+            "copy_l2": l2_statement(2**30, dev)}  # copy_bandwidth's 1 GiB source
 
 
 ONE_ROW = [dict(gemv=True, block_n=bn, num_warps=w, num_stages=3, block_k=bk)
@@ -143,6 +145,7 @@ def linears(model, rows: int = 1, configs: list[dict] | None = None) -> pd.DataF
     for kind, (inp, ws, gated) in kinds.items():
         nbytes = sum(w.numel() * w.element_size() for w, _ in ws)
         n = ws[0][0].shape[0] // (2 if gated else 1)
+        flush = flush_needed(nbytes, dev)  # lm_head's 125 MiB is near twice an H200's L2
 
         def cublas(inp=inp, ws=ws, gated=gated):
             for w, nw in ws:
@@ -160,11 +163,12 @@ def linears(model, rows: int = 1, configs: list[dict] | None = None) -> pd.DataF
             impls["skinny " + " ".join(f"{k}={v}" for k, v in cfg.items())] = (sk, cfg)
         for name, (fn, cfg) in impls.items():
             graph, _ = capture_graph(fn, warmup=2)
-            t = measure(graph.replay, device=dev, warmup=3, repeats=20)
+            t = measure(graph.replay, device=dev, warmup=3, repeats=20, flush_l2=flush)
             out.append({"kind": kind, "rows": rows, "impl": name, "us_per_call":
                         t.median_us / len(ws), "gbps": nbytes / (t.median_us * 1e3),
                         "weight_mb": nbytes / len(ws) / 1e6, "n": n, "k": ws[0][0].shape[1],
-                        "gated": gated, "config": cfg})
+                        "gated": gated, "config": cfg,
+                        "l2": l2_statement(nbytes, dev, flushed=flush)})
             del graph
     return pd.DataFrame(out)
 
@@ -194,14 +198,16 @@ def main(out: Path | None, with_linears: bool, batches) -> dict:
         table = pd.concat([linears(model, rows) for rows in (1, 8)])
         chosen = tune(table)
         print(chosen.to_string(index=False))
+        print("\n".join(f"L2: {line}" for line in dict.fromkeys(table.l2)))
         results["linears"] = table.drop(columns="config").to_dict(orient="list")
         results["tuned"] = chosen.to_dict(orient="list")
     floor = decode_floor(model, batches)
     results.update(floor)
     df = pd.DataFrame(floor["rows"])
-    print(f"copy bandwidth {floor['copy_gbps']:.0f} GB/s")
+    print(f"copy bandwidth {floor['copy_gbps']:.0f} GB/s; L2: {floor['copy_l2']}")
     print(df[["batch", "matmuls", "ms", "ms_low", "ms_high", "floor_ms", "floor_fraction",
               "kernels"]].to_string(index=False))
+    print("\n".join(f"L2: {line}" for line in dict.fromkeys(df.l2)))
     for b in batches:
         for name in ("cublas", "skinny"):
             c = floor["census"][f"B{b} {name}"]
