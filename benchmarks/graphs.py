@@ -6,7 +6,8 @@ Every comparison runs in interleaved rounds and prints its median with the range
 a target is met only when the whole range clears it. Prints: eager vs replayed step time per
 batch with the GPU's busy time beside each (target at batch 8: >= 4x), the pool's overhead over
 a bare torch.cuda.CUDAGraph replay of the same bucket (target <= 5%), the time to capture every
-bucket of a fresh pool (target < 2 s) and predicted vs captured graph memory.
+bucket of a fresh pool (target < 2 s) and predicted vs captured graph memory. Every timed step
+reads the stack's weights (766 MiB in bf16), far over twice the L2: no flush, and ``l2`` says so.
 """
 import argparse
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import labkit
 from labkit.graphs import GraphPool
 from labkit.lessons.cuda_graphs import measurements as gx
+from labkit.measure.bench import l2_statement
 
 SPEEDUP_AT_8 = 4.0
 POOL_OVERHEAD = 0.05
@@ -52,6 +54,8 @@ def main():
     stack = gx.make_stack(dev, max_batch=max(gx.BUCKETS))
     pool = GraphPool(stack, buckets=gx.BUCKETS)
     pool.capture(gx.hidden(stack, 1))
+    l2 = l2_statement(sum(p.numel() * p.element_size() for p in stack.parameters()), dev)
+    print(f"L2 (steps and pool overhead): {l2}")
     steps = gx.step_rounds(stack, [1, 4, 8, 16, 64, 256], pool, rounds=args.rounds, profile=True)
     overhead = gx.pool_overhead(stack, batch=8, rounds=args.rounds)
     capture = gx.capture_rounds(stack, gx.hidden(stack, 1), gx.BUCKETS, rounds=args.rounds)
@@ -59,7 +63,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out / "graphs_step_times.csv", index=False)
     (args.out / "graphs.json").write_text(json.dumps(
-        {"steps": steps, "overhead": overhead, "capture": capture}, indent=1, default=str))
+        {"steps": steps, "overhead": overhead, "capture": capture, "l2": l2}, indent=1,
+        default=str))
     print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
 
     i = steps["batch"].index(8)
