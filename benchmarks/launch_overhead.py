@@ -16,6 +16,9 @@ from labkit.lessons import launch_overhead as lo
 from labkit.measure.rounds import interleaved
 
 GAIN_AT_TINY = 2.0  # replay of the smallest kernels must be this much faster in every round
+L2 = ("not flushed: this times host launch cost, each call a chain of kernels over one buffer "
+      "(as a model's layers pass activations on); a flush before a sample would reach only the "
+      "chain's first kernel, and would hide host time behind it")
 
 
 def size_rounds(numel: int, n_kernels: int, dev, rounds: int) -> dict:
@@ -44,11 +47,12 @@ def main():
     tiny_gain = rows[0].pop("_gain")
     for r in rows[1:]:
         r.pop("_gain")
-    table = pd.DataFrame(rows)
+    table = pd.DataFrame(rows).assign(l2=L2)
     args.out.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out / "launch_overhead.csv", index=False)
     print(labkit.device.describe())
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(table.drop(columns="l2").to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"L2: {L2}")
     small = table[table.speedup_high < 1.10]
     print("crossover (every round gains < 10%) at "
           f"{int(small.numel.iloc[0]) if len(small) else 'no measured size'} elements per kernel")
