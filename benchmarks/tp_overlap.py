@@ -12,7 +12,8 @@ median with its range over the rounds; a speed-up is a gain only when its whole 
 and a bounded metric past 1 in every round is printed as out of model. Writes tp_overlap.csv and
 tp_overlap.json (with both ranks' traces). With fewer than 2 GPUs it runs gloo on the CPU at
 small sizes and says so: CPU numbers show the mechanics, not what a GPU gains. NVLink multicast
-is off (NCCL_NVLS_ENABLE=0).
+is off (NCCL_NVLS_ENABLE=0). Each run states what its steps read from (``l2``): at every default
+size one rank's input and weight shards are over twice the L2, so nothing is flushed.
 """
 import argparse
 import json
@@ -24,6 +25,7 @@ import labkit
 from labkit.distributed import tensor_parallel as tp
 from labkit.distributed.rank_runner import launched_by_torchrun, pick_backend
 from labkit.lessons import multi_gpu_overlap as mgo
+from labkit.measure.bench import l2_statement
 
 CPU_SHAPES = {"tokens": 512, "hidden": 1024, "dtype": "float32", "chunk_counts": (1, 2, 4, 8),
               "trace_chunks": 4, "warmup": 2, "repeats": 20, "rounds": 3}
@@ -32,6 +34,15 @@ CPU_FFN_SIZES = (1024,)
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
+
+
+def l2_of(exp: mgo.TPExperiment, backend: str) -> str:
+    """What one rank's timed step reads: its x [tokens, hidden] and its shards of w1 and w2
+    (hidden x ffn/2 each). A size that fits in twice the L2 is refused before anything runs."""
+    if backend != "nccl":
+        return "not controlled: gloo on the CPU shows the mechanics, not what the caches do"
+    elem = tp.DTYPES[exp.dtype].itemsize
+    return l2_statement((exp.tokens * exp.hidden + exp.hidden * exp.ffn) * elem, "cuda")
 
 
 def main(argv=None) -> int:
@@ -58,15 +69,15 @@ def main(argv=None) -> int:
                                    "repeats": args.repeats, "rounds": args.rounds}.items()
                  if v is not None}
     shapes = {**shapes, **overrides}
-    runs = [mgo.run_experiment(mgo.TPExperiment(ffn=ffn, **shapes), world_size=2, backend=backend)
-            for ffn in (args.ffn or ffn_sizes)]
+    exps = [mgo.TPExperiment(ffn=ffn, **shapes) for ffn in (args.ffn or ffn_sizes)]
     base = mgo.DECODE_SHAPES if backend == "nccl" else {**shapes, "ffn": ffn_sizes[0],
                                                          "chunk_counts": (1, 2, 4, 8)}
     decode_shapes = {k: v for k, v in {**base, **overrides}.items() if k != "tokens"}
     decode_shapes["chunk_counts"] = base["chunk_counts"]  # a decode step has few tokens to cut
-    for tokens in args.decode or (mgo.DECODE_TOKENS if backend == "nccl" else ()):
-        runs.append(mgo.run_experiment(mgo.TPExperiment(tokens=tokens, **decode_shapes),
-                                       world_size=2, backend=backend))
+    exps += [mgo.TPExperiment(tokens=tokens, **decode_shapes)
+             for tokens in args.decode or (mgo.DECODE_TOKENS if backend == "nccl" else ())]
+    l2 = [l2_of(e, backend) for e in exps]
+    runs = [mgo.run_experiment(e, world_size=2, backend=backend) for e in exps]
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         return 0
 
@@ -74,15 +85,15 @@ def main(argv=None) -> int:
     print(f"backend {backend}, 2 ranks" + ("" if backend == "nccl" else
           " on the CPU (fewer than 2 GPUs): mechanics only, not GPU numbers"))
     rows = []
-    for run in runs:
+    for run, run_l2 in zip(runs, l2):
         e = run.experiment
         table = run.table.assign(tokens=e.tokens, hidden=e.hidden, ffn=e.ffn, dtype=e.dtype,
-                                 backend=backend)
+                                 backend=backend, l2=run_l2)
         table["compute_over_comm"] = table.compute_us / table.comm_us
         rows.append(table)
         print(f"\ntokens {e.tokens}, hidden {e.hidden}, ffn {e.ffn} ({e.ffn // 2} per rank), "
               f"{e.dtype}; worst relative error against one "
-              f"device: {run.errors.max().max():.1e}")
+              f"device: {run.errors.max().max():.1e}; L2: {run_l2}")
         print(table[["num_chunks", "serial_us", "overlapped_us", "compute_us", "comm_us",
                      "compute_over_comm", "pipeline_us", "efficiency", "of_pipeline",
                      "speedup", "speedup_low", "speedup_high", "out_of_model"]].to_string(
@@ -96,7 +107,7 @@ def main(argv=None) -> int:
     pd.concat(rows).to_csv(args.out / "tp_overlap.csv", index=False)
     (args.out / "tp_overlap.json").write_text(json.dumps(
         {"fingerprint": labkit.fingerprint(), "backend": backend,
-         "runs": [r.to_dict() for r in runs]}) + "\n")
+         "runs": [r.to_dict() | {"l2": s} for r, s in zip(runs, l2)]}) + "\n")
     print(f"\nwrote {args.out / 'tp_overlap.csv'} and {args.out / 'tp_overlap.json'}")
     return 0
 
