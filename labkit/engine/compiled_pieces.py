@@ -1,8 +1,9 @@
 """``compile=True``'s piecewise CUDA graphs: the compiled forward (``labkit.engine.compiled``)
 run once per token bucket with a recorder in place, each compiled piece captured as one graph
-into a shared pool and each attention call between them written down with the tensors it reads
-and writes; a step replays them in order with attention eager on its real rows (the module
-docstring of ``compiled`` says why this is sound)."""
+into a shared pool (its layer's K/V store inside it, reading the slots from a static buffer) and
+each attention call between them written down with the tensors it reads and writes; a step
+loads its tokens and slots, then replays them in order with attention eager on its real rows
+(the module docstring of ``compiled`` says why this is sound)."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,7 @@ import time
 import torch
 
 from labkit.engine.model import AttentionFn
+from labkit.engine.pieces import StaticTokens
 
 RECORDING: list["_Recorder"] = []  # set while CompiledPiecewise captures a bucket
 
@@ -70,11 +72,13 @@ class _Recorder:
         self.calls.append((layer, keep(q), keep(k), None if v is None else keep(v), keep(out)))
 
 
-class CompiledPiecewise:
+class CompiledPiecewise(StaticTokens):
     """Piecewise graphs of the compiled forward, one set per token bucket (see the module
     docstring): ``run(n, attention)`` replays the bucket that holds ``n`` tokens, the step's
-    tokens loaded first with ``load``, and returns the final hidden states of its ``n`` rows.
-    ``stats`` is ``PiecewiseStats``, as the engine's own piecewise graphs keep it."""
+    tokens and slots loaded first with ``load`` (padding rows: token 0, slot -1, so they store
+    nothing), and returns the final hidden states of its ``n`` rows. ``attention`` must not
+    store: the pieces did. ``stats`` is ``PiecewiseStats``, as the engine's own piecewise
+    graphs keep it."""
 
     def __init__(self, forward, buckets, device: torch.device):
         from labkit.graphs.buckets import check_buckets
@@ -85,9 +89,7 @@ class CompiledPiecewise:
         # One row more than the largest bucket: every bucket's inputs are then views shorter
         # than their buffer (Dynamo guards on a view's base; a view the size of its base at
         # one bucket and shorter at the next would recompile).
-        rows = self.buckets[-1] + 1
-        self.ids = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int32, device=device)
+        super().__init__(self.buckets[-1] + 1, device, slot_dtype=torch.int32)
         self.stats = PiecewiseStats()
         self._captured: dict[int, tuple[list, list, torch.Tensor]] = {}
         self._mempool = None
@@ -98,7 +100,8 @@ class CompiledPiecewise:
 
     @property
     def static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.positions))
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.positions,
+                                                           self.slots))
 
     def _pool_bytes(self) -> int:
         from labkit.graphs.pool import segment_bytes
@@ -115,7 +118,9 @@ class CompiledPiecewise:
             raise RuntimeError("these piecewise graphs are captured already")
         self._mempool = torch.cuda.graph_pool_handle() if self.on_gpu else None
         top = self.buckets[-1]  # compiled here, so the compile is not counted as capture
-        self.forward(self.ids[:top], self.positions[:top], lambda *args, out=None: None)
+        self.slots.fill_(-1)  # every capture's rows are padding: nothing is stored
+        self.forward(self.ids[:top], self.positions[:top], self.slots[:top],
+                     lambda *args, out=None: None)
         for bucket in sorted(self.buckets, reverse=True):
             self.ids[:bucket].zero_()
             self.positions[:bucket].zero_()
@@ -126,7 +131,7 @@ class CompiledPiecewise:
             RECORDING.append(recorder)
             try:
                 hidden = self.forward(self.ids[:bucket], self.positions[:bucket],
-                                      recorder.attention)
+                                      self.slots[:bucket], recorder.attention)
             finally:
                 RECORDING.pop()
             if len(recorder.graphs) != len(recorder.calls) + 1:
@@ -147,16 +152,6 @@ class CompiledPiecewise:
         """The captured bucket a step of ``num_tokens`` replays at; None: larger than all."""
         from labkit.graphs.buckets import bucket_for, check_size
         return bucket_for(check_size("num_tokens", num_tokens), self.buckets, default=None)
-
-    @torch.inference_mode()
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
-        """The step's tokens into the static inputs, rows up to ``bucket`` padded with 0."""
-        n = input_ids.shape[0]
-        self.ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        if n < bucket:
-            self.ids[n:bucket].zero_()
-            self.positions[n:bucket].zero_()
 
     @torch.inference_mode()
     def run(self, num_tokens: int, attention: AttentionFn) -> torch.Tensor:

@@ -31,13 +31,15 @@ from labkit.engine.model import AttentionFn, LlamaModel, split_heads
 
 class StaticTokens:
     """The per-token inputs every piece reads, ``max_tokens`` rows each: ids, positions, KV
-    slots (shared by ``PiecewiseForward`` and ``mla_pieces.MLAPiecewiseForward``)."""
+    slots (shared by ``PiecewiseForward``, ``mla_pieces.MLAPiecewiseForward`` and
+    ``compiled_pieces.CompiledPiecewise``, whose compiled forward takes int32 slots as the
+    step's metadata holds them: another dtype would be another compilation)."""
 
-    def __init__(self, max_tokens: int, device):
+    def __init__(self, max_tokens: int, device, slot_dtype: torch.dtype = torch.int64):
         self.max_tokens = max_tokens
         self.ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_tokens,), -1, dtype=slot_dtype, device=device)
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
              bucket: int) -> None:

@@ -123,18 +123,18 @@ class ModelRunner(StepAttention):
             raise ValueError("fused_ops=True runs the Llama layer's fused Triton ops; an MLA "
                              "model runs its own: leave it off")
         self.compiled = None
-        if compile:
-            if self.fused_ops:
-                raise ValueError("compile=True compiles the layers' plain ops (Inductor fuses "
-                                 "them itself): pass fused_ops=False, or leave it None")
-            from labkit.engine.compiled import CompiledForward
-            self.compiled = CompiledForward(model)
+        if compile and self.fused_ops:
+            raise ValueError("compile=True compiles the layers' plain ops (Inductor fuses "
+                             "them itself): pass fused_ops=False, or leave it None")
         self.backend, self.selection_log = self._choose_backend(backend, block_size)
         self.use_graphs = self.cudagraph_mode.startswith("full")
         self.cache = self._make_cache(num_blocks, kv_cache_memory, block_size, max_num_seqs)
         # The store kernel is the fast path on a GPU; on CPU it runs interpreted, so it is used
         # only where the Triton backend is asked for (the whole Triton path, end to end).
         self.store_kernel = self.device.type == "cuda" or self.backend.name == "triton"
+        if compile:  # its forward stores each layer's K/V itself (labkit::store_kv)
+            from labkit.engine.compiled import CompiledForward
+            self.compiled = CompiledForward(model, self.cache, self.store_kernel)
         self.staging = None
         if self.device.type == "cuda":
             from labkit.overlap.staging import PinnedStagingPool
@@ -274,9 +274,10 @@ class ModelRunner(StepAttention):
         tokens = md.num_tokens
         if graph_batch is None and self.piecewise is not None and \
                 (bucket := self.piecewise.bucket_for(tokens)) is not None:
-            if self.pieces is None:  # the compiled pieces' graphs; attention stores the K/V
-                self.piecewise.load(dev.input_ids, dev.positions, bucket)
-                hidden = self.piecewise.run(tokens, self._attention(dev, md.max_seqlen_q, host=md))
+            if self.pieces is None:  # the compiled pieces' graphs; they store the K/V
+                self.piecewise.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
+                hidden = self.piecewise.run(tokens, self._attention(dev, md.max_seqlen_q,
+                                                                    store=False, host=md))
                 return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]),
                                   None, bucket)
             self.pieces.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
@@ -297,8 +298,7 @@ class ModelRunner(StepAttention):
             logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)),
                                  context=context)
             return StepOutput(logits, graph_batch)
-        hidden = self._hidden_states(dev.input_ids, dev.positions,
-                                     self._attention(dev, md.max_seqlen_q, host=md))
+        hidden = self._hidden_states(dev, md.max_seqlen_q, host=md)
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs
@@ -337,7 +337,7 @@ class ModelRunner(StepAttention):
         md = DeviceMetadata(input_ids.clamp(min=0), positions.clamp(min=0), slot_mapping,
                             self._cu_arange[:batch + 1], seq_lens.clamp(min=0), block_tables,
                             self._cu_arange[:batch])
-        hidden = self._hidden_states(md.input_ids, md.positions, self._attention(md, 1))
+        hidden = self._hidden_states(md, 1)
         return self.model.compute_logits(hidden)
 
     def verify_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
@@ -350,12 +350,16 @@ class ModelRunner(StepAttention):
                             slot_mapping.flatten(), self._cu_arange[:batch + 1] * q,
                             seq_lens.clamp(min=0), block_tables,
                             None)  # logits_indices: every position samples
-        hidden = self._hidden_states(md.input_ids, md.positions, self._attention(md, q))
+        hidden = self._hidden_states(md, q)
         return self.model.compute_logits(hidden).view(batch, q, -1)
 
-    def _hidden_states(self, input_ids, positions, attention) -> torch.Tensor:
-        """The forward, compiled (``compile=True``) or with this runner's layer ops."""
+    def _hidden_states(self, md: DeviceMetadata, max_query_len: int,
+                       host: StepMetadata | None = None) -> torch.Tensor:
+        """The forward of ``md``'s tokens, compiled (``compile=True``: it stores the K/V
+        itself, so its attention does not) or with this runner's layer ops."""
         if self.compiled is not None:
-            return self.compiled(input_ids, positions, attention)
-        return self.model.hidden_states(input_ids, positions, attention,
+            return self.compiled(md.input_ids, md.positions, md.slot_mapping,
+                                 self._attention(md, max_query_len, store=False, host=host))
+        return self.model.hidden_states(md.input_ids, md.positions,
+                                        self._attention(md, max_query_len, host=host),
                                         fused_ops=self.fused_ops)
