@@ -58,7 +58,7 @@ from labkit.lessons.putting_it_together.transformers_peer import (
     TransformersPeer,
     summary,
 )
-from labkit.measure.bench import TritonCompiles
+from labkit.measure.bench import ENGINE_STEPS_L2, TritonCompiles
 from labkit.measure.rounds import Spread
 
 TARGET_VS_TRANSFORMERS = 2.0  # labkit's throughput over transformers', met in every round
@@ -240,11 +240,11 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
                             "requested_output_tokens": requested,
                             "prompt_tokens": sum(map(len, prompts))},
                "device": device.type, "fingerprint": fingerprint(), "sections": {},
-               "cudagraph_mode": resolve_cudagraph_mode(None, False, device)}
+               "cudagraph_mode": resolve_cudagraph_mode(None, False, device), "l2": ENGINE_STEPS_L2}
     print(f"{cfg.num_requests} requests, {sum(map(len, prompts)):,} prompt tokens, "
           f"{requested:,} output tokens, "
           f"{cfg.model_config.num_parameters() / 1e9:.2f}B parameters, {cfg.dtype}; "
-          f"{cfg.rounds} rounds")
+          f"{cfg.rounds} rounds; L2: {ENGINE_STEPS_L2}")
     model = random_model(cfg.model_config, seed=cfg.seed, device=device, dtype=cfg.torch_dtype,
                          std=cfg.init_std)
     shared = [system + p for p in prompts]

@@ -37,6 +37,7 @@ import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit import check_positive_int
 from labkit.device import describe, fingerprint, free_memory
 from labkit.engine import LLM, ModelConfig, SamplingParams, random_model
+from labkit.measure.bench import ENGINE_STEPS_L2
 from labkit.measure.profile import trace
 from labkit.measure.rounds import Spread
 
@@ -195,6 +196,7 @@ def run(cfg: MixedConfig | None = None, quick: bool = False) -> dict:
     if device.type != "cuda" and cfg.modes != ("none",):
         cfg = replace(cfg, modes=("none",))  # no graphs without CUDA
     print(describe())
+    print(f"L2: {ENGINE_STEPS_L2}")
     dtype = torch.float32 if cfg.quick else torch.bfloat16
     model = random_model(cfg.model_config, seed=cfg.seed, device=device, dtype=dtype)
     cases = [(mode, a) for mode in cfg.modes for a in (False, True)]
@@ -225,7 +227,8 @@ def run(cfg: MixedConfig | None = None, quick: bool = False) -> dict:
                      f"round; {runs[0]['kernels']} kernels)")
         rows.append(row)
         print(f"{line}; steps ran {', '.join(runs[0]['graph'])}")
-    return {"config": asdict(cfg), "fingerprint": fingerprint(), "target": TARGET, "rows": rows}
+    return {"config": asdict(cfg), "fingerprint": fingerprint(), "target": TARGET, "rows": rows,
+            "l2": ENGINE_STEPS_L2}
 
 
 if __name__ == "__main__":

@@ -105,10 +105,10 @@ def l2_statement(bytes_read: int, device: str | torch.device = "auto", *, flushe
                      "the cache's: time it with flush_l2=True (or rotate its inputs)")
 
 
-# Benchmarks of whole engine steps state this: they time workloads, not one call in a loop.
-ENGINE_STEPS_L2 = ("L2 not flushed: whole engine steps, each reading every weight of the model "
-                   "(over 2 GB for the 1B model on a GPU) and its KV cache: no step finds the "
-                   "last one's data in the L2")
+# What benchmarks of whole engine steps state: they time workloads, not one call repeated.
+ENGINE_STEPS_L2 = ("not flushed: whole engine steps, each reading every weight of the model "
+                   "(over 2 GB for the 1B model on a GPU) and its KV cache, far more than the L2 "
+                   "holds")
 
 
 def _tensor_bytes(args: Sequence) -> int:
