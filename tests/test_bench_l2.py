@@ -107,3 +107,17 @@ def test_a_timing_carries_what_its_statement_needs():
     t = bench.measure(lambda: None, device="cpu", repeats=2, flush_l2=True)
     assert bench.l2_statement(4096, "cpu", flushed=t.l2_flushed) == (
         "CPU cache flushed between samples (working set 0.0039 MiB)")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_flush_is_not_timed_but_does_evict():
+    # A kernel that only spins: a flush inside its samples would add the flush's ~40 us.
+    spin = bench.measure(lambda: torch.cuda._sleep(100_000), device="cuda", repeats=20)
+    flushed = bench.measure(lambda: torch.cuda._sleep(100_000), device="cuda", repeats=20,
+                            flush_l2=True)
+    assert flushed.median_us < 1.15 * spin.median_us, f"the flush was timed: {flushed} vs {spin}"
+    # A read that fits in the L2 is slower once the L2 is flushed before it.
+    x = torch.ones(bench.cache_bytes(torch.device("cuda")) // 3 // 4, device="cuda")
+    warm = bench.measure(lambda: x.sum(), device="cuda", repeats=30)
+    cold = bench.measure(lambda: x.sum(), device="cuda", repeats=30, flush_l2=True)
+    assert cold.median_us > 1.1 * warm.median_us, f"flushed {cold} vs warm {warm}"
