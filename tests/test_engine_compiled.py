@@ -174,6 +174,23 @@ def test_the_store_op_writes_its_layers_kv_and_skips_padding_slots():
     torch.testing.assert_close(latent[0, 0].flatten(0, 1)[[3, 1]], key[1:, :1])
 
 
+def test_an_mla_models_latent_rows_are_stored_by_the_compiled_pieces(monkeypatch):
+    from mla_cases import mla_model, tiny_mla
+    model = mla_model(tiny_mla(), 3)
+    options = dict(device="cpu", max_num_batched_tokens=16, max_num_seqs=4)
+    eager = LLM(model, **options)
+    compiled = LLM(model, compile=True, cudagraph_mode="piecewise", **options)
+    layers = model.config.num_hidden_layers
+    assert compiled.runner.compiled.stats.stores == [1] * layers + [0]
+    attention_stored = []
+    monkeypatch.setattr(compiled.runner.cache, "write_latent",
+                        lambda layer, *args, **kw: attention_stored.append(layer))
+    prompts = [list(range(1, 10)), list(range(20, 50)), [11, 12]]
+    assert tokens(compiled, prompts) == tokens(eager, prompts)
+    assert not attention_stored, "the latent attention stored rows the pieces had stored"
+    assert compiled.stats.num_piecewise_steps > 0
+
+
 def test_compiled_piecewise_steps_with_chunks_and_prefix_hits_give_eager_tokens(
         piecewise_engines):
     eager, compiled = piecewise_engines
