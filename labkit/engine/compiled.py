@@ -12,10 +12,11 @@ Storing the step's new K/V is token by token: row i goes to slot ``slot_mapping[
 its sequence. So the store is a custom op of its own, ``labkit::store_kv(key, value, kv_cache,
 slot_mapping, layer, ...)``, called in every layer just before attention, and NOT a place to cut:
 it declares ``kv_cache`` (the paged cache's one tensor, ``PagedKVCache.kv``) as what it mutates,
-so Dynamo keeps it, AOTAutograd functionalizes it and Inductor calls it in place from inside the
-piece, an opaque call between its fused kernels. The slots are an input of the compiled forward
-(``forward(input_ids, positions, slot_mapping)``), and the attention the runner passes stores
-nothing (``store=False``). One layer's cut, in the graph Dynamo traces::
+so no pass drops it as dead code or moves it past a read, and Inductor calls it in place from
+inside the piece, an opaque call between its fused kernels. The slots are an input of the
+compiled forward (``CompiledForward(input_ids, positions, slot_mapping, attention)``), and the
+attention the runner passes stores nothing (``store=False``). One layer's cut, in the graph
+Dynamo traces::
 
     piece i:     ... norm, qkv projection, RoPE -> q, k, v
                  labkit::store_kv(k, v, kv, slot_mapping, i)       stays in the piece
