@@ -96,14 +96,22 @@ def test_a_working_set_of_exactly_twice_the_l2_needs_a_flush_and_is_refused_with
                                                           "(working set 120 MiB)")
 
 
-def test_rotated_inputs_say_how_many_sets(l2_of_60_mib):
-    assert bench.l2_statement(1 * MiB, input_sets=180) == "inputs rotated over 180 sets of 1 MiB"
+def test_rotated_inputs_count_only_when_all_sets_together_exceed_twice_the_l2(l2_of_60_mib):
+    assert bench.l2_statement(1 * MiB, input_sets=121) == ("inputs rotated over 121 sets of "
+                                                          "1 MiB (121 MiB > 2x L2)")
+    with pytest.raises(ValueError, match="neither flushed nor rotated"):
+        bench.l2_statement(1 * MiB, input_sets=120)  # the 120 sets cycle through the L2
 
 
-def test_a_timing_carries_what_its_statement_needs():
+def test_a_timing_carries_what_its_statement_needs(monkeypatch):
+    monkeypatch.setattr(bench, "cache_bytes", lambda dev: 64 * 1024)
     t = bench.measure(lambda x: None, lambda: (torch.ones(1024),), device="cpu", repeats=2)
-    assert bench.l2_statement(4096, "cpu", flushed=t.l2_flushed, input_sets=t.input_sets) \
-        .startswith(f"inputs rotated over {t.input_sets} sets")
+    assert bench.l2_statement(4096, "cpu", flushed=t.l2_flushed, input_sets=t.input_sets) == \
+        "inputs rotated over 48 sets of 0.0039 MiB (0.19 MiB > 2x CPU cache)"
+    monkeypatch.setattr(bench, "cache_bytes", lambda dev: 64 * MiB)
+    t = bench.measure(lambda x: None, lambda: (torch.ones(1024),), device="cpu", repeats=2)
+    with pytest.raises(ValueError):  # at most 64 sets of 4 KiB: they cycle in the cache
+        bench.l2_statement(4096, "cpu", input_sets=t.input_sets)
     t = bench.measure(lambda: None, device="cpu", repeats=2, flush_l2=True)
     assert bench.l2_statement(4096, "cpu", flushed=t.l2_flushed) == (
         "CPU cache flushed between samples (working set 0.0039 MiB)")

@@ -62,7 +62,7 @@ def cache_bytes(device: torch.device) -> int:
     return 32 * 2**20
 
 
-def cache_name(device: torch.device) -> str:
+def _cache_name(device: torch.device) -> str:
     return "L2" if device.type == "cuda" else "CPU cache"
 
 
@@ -87,13 +87,14 @@ def _mib(nbytes: float) -> str:
 def l2_statement(bytes_read: int, device: str | torch.device = "auto", *, flushed: bool = False,
                  input_sets: int = 1) -> str:
     """What a timed case read its data from, in one line: its working set (``bytes_read`` per
-    call) over twice the cache, its inputs rotated over ``input_sets`` sets, or the cache
-    ``flushed`` between samples (a :class:`Timing` carries both). A working set that fits and
-    is neither is refused: its time would be the cache's."""
+    call) over twice the cache, its inputs rotated over ``input_sets`` sets that together are,
+    or the cache ``flushed`` between samples (a :class:`Timing` carries both). A working set
+    that fits and is neither is refused: its time would be the cache's."""
     dev = select_device(device)
-    cache, name = cache_bytes(dev), cache_name(dev)
-    if input_sets > 1:
-        return f"inputs rotated over {input_sets} sets of {_mib(bytes_read)}"
+    cache, name = cache_bytes(dev), _cache_name(dev)
+    if input_sets > 1 and input_sets * bytes_read > 2 * cache:  # fewer sets cycle in the cache
+        return (f"inputs rotated over {input_sets} sets of {_mib(bytes_read)} "
+                f"({_mib(input_sets * bytes_read)} > 2x {name})")
     if flushed:
         return f"{name} flushed between samples (working set {_mib(bytes_read)})"
     if bytes_read > 2 * cache:
@@ -151,7 +152,7 @@ def measure(
     dev = select_device(device)
     input_sets: list[Sequence] = [make_inputs() if make_inputs else ()]
     one_set = _tensor_bytes(input_sets[0])
-    if rotate and make_inputs and 0 < one_set < 2 * cache_bytes(dev):
+    if rotate and make_inputs and 0 < one_set and flush_needed(one_set, dev):
         copies = min(64, math.ceil(3 * cache_bytes(dev) / one_set))
         input_sets += [make_inputs() for _ in range(copies - 1)]
 
