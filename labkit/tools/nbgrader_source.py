@@ -17,10 +17,17 @@ One assignment per notebook with exercises, ``source/<stem>/<stem>.ipynb``, in w
 - a Triton exercise (``check("06.1")`` reads ``kernels/exercises/<file>``) ships its stub file
   in the assignment; grading keeps the learner's file (``Autograde.exclude_overwriting``).
 
-``--exercises-only`` keeps each notebook's exercise section (the cells tagged ``exercises``, the
-closing assertion left out, and the solution and check cells wherever they are): graded in
-seconds on a CPU, as the tests do with 07. It suits sections that stand alone (07, 08a); in the
-others a cell that uses the lesson's earlier names (its imports, 05's prefix-cache demo) fails.
+``--exercises-only`` keeps what each notebook's exercises need to run on their own, graded in
+seconds on a CPU (the tests grade every notebook this way). Cell tags say what that is:
+
+- ``exercises``: the exercise section, and an exercise's prose, hints and solution in the lesson
+  body (02.1, 04.1). Kept, but for the notebook's closing assertion (it asserts the whole lesson).
+- ``exercise-setup``: a lesson cell the exercises use (the parameters, the imports, 05's block
+  manager, 08's engine on the timeline). Kept.
+- ``uses-lesson``: an exercise-section cell built on the lesson's measurements (01's prediction
+  about its sweep). Left out.
+
+Solution and check cells are kept wherever they are, tagged or not.
 """
 from __future__ import annotations
 
@@ -86,13 +93,18 @@ def _is_exercise_cell(cell: dict) -> bool:
 
 
 def exercises_only(nb: dict) -> dict:
-    """``nb`` cut to its exercise section: cells tagged ``exercises`` but the notebook's closing
-    assertion (it asserts the whole lesson), plus every solution and check cell."""
+    """``nb`` cut to what its exercises need (see the module's docstring for the tags): the
+    cells tagged ``exercise-setup``, those tagged ``exercises`` but ``uses-lesson`` ones and the
+    notebook's closing assertion, and every solution and check cell."""
     nb = json.loads(json.dumps(nb))
     last_code = max(i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code")
-    nb["cells"] = [c for i, c in enumerate(nb["cells"])
-                   if _is_exercise_cell(c)
-                   or ("exercises" in c.get("metadata", {}).get("tags", []) and i != last_code)]
+
+    def needed(i: int, cell: dict) -> bool:
+        tags = cell.get("metadata", {}).get("tags", [])
+        return (_is_exercise_cell(cell) or "exercise-setup" in tags
+                or ("exercises" in tags and "uses-lesson" not in tags and i != last_code))
+
+    nb["cells"] = [c for i, c in enumerate(nb["cells"]) if needed(i, c)]
     return nb
 
 
