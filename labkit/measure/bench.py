@@ -9,7 +9,7 @@ A call whose data fits in the L2 finds it still there when it is timed again, an
 cache instead of memory; a real model step finds its inputs in HBM. So every timed case says
 which of three things holds (:func:`l2_statement`): its working set is over twice the L2 (read
 from HBM every call), its inputs rotate over enough sets (``make_inputs``), or the L2 is flushed
-between samples (``flush_l2``): a buffer twice the L2 written before each sample's start mark,
+between samples (``flush_l2``): a buffer twice the L2 read before each sample's start mark,
 never inside the timed region.
 """
 from __future__ import annotations
@@ -66,11 +66,13 @@ def _cache_name(device: torch.device) -> str:
     return "L2" if device.type == "cuda" else "CPU cache"
 
 
-def l2_flush(device: torch.device) -> Callable[[], None]:
-    """A function that evicts the cache: it writes a buffer of twice :func:`cache_bytes`, so
-    whatever the timed call read last is gone. It runs between samples, never inside one."""
-    buffer = torch.empty(2 * cache_bytes(device), dtype=torch.uint8, device=device)
-    return buffer.zero_
+def l2_flush(device: torch.device) -> Callable[[], torch.Tensor]:
+    """A function that evicts the cache: it reads a buffer of twice :func:`cache_bytes`, so
+    whatever the timed call read last is gone, as a working set over twice the cache evicts it.
+    Read, not written: written lines would be dirty, and the timed call would pay their
+    write-back to memory. It runs between samples, never inside one."""
+    buffer = torch.ones(2 * cache_bytes(device) // 4, dtype=torch.float32, device=device)
+    return buffer.sum
 
 
 def flush_needed(bytes_read: int, device: str | torch.device = "auto") -> bool:
