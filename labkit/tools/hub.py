@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import grp
 import json
 import os
+import pwd
 import re
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -61,9 +64,45 @@ def _check_device(setting: str, value: str) -> str:
     return value
 
 
+def closed_folder(path: Path, account: pwd.struct_passwd) -> str | None:
+    """The first folder on the way to ``path`` (links followed; ``path`` too if it is one) that
+    ``account`` may not enter, with its mode and owner, or None when all let it through. As the
+    mode bits say: an ACL can open more."""
+    if account.pw_uid == 0:
+        return None
+    path = Path(path).resolve()
+    groups = set(os.getgrouplist(account.pw_name, account.pw_gid))
+    for folder in [*reversed(path.parents), *([path] if path.is_dir() else [])]:
+        st = folder.stat()
+        if st.st_uid == account.pw_uid:
+            ok = st.st_mode & stat.S_IXUSR
+        elif st.st_gid in groups:
+            ok = st.st_mode & stat.S_IXGRP
+        else:
+            ok = st.st_mode & stat.S_IXOTH
+        if not ok:
+            return f"{folder} ({stat.filemode(st.st_mode)} {_owner(st)})"
+    return None
+
+
+def _owner(st: os.stat_result) -> str:
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"{user}:{group}"
+
+
 class LabkitSpawner(LocalProcessSpawner):
     """Each learner's JupyterLab runs as their own account on this host (the accounts PAM signs
-    in), in ``~/labkit/notebooks``. The hub runs as root to switch to them."""
+    in), in ``~/labkit/notebooks``. The hub runs as root to switch to them. Their working copy is
+    theirs alone (mode 700): another learner's kernel, running as another account, cannot read it.
+    Their lab runs labkit's interpreter and imports labkit from this checkout, so both must be
+    where every learner may read them (not under /root or a private home)."""
 
     devices = List(Unicode(), config=True, help="GPUs or MIG slices handed out in turn, e.g. "
                    "['0', '1'] or ['MIG-...', ...]; empty: every learner sees every GPU")
@@ -110,15 +149,41 @@ class LabkitSpawner(LocalProcessSpawner):
         return await super().start()
 
     async def write_copy(self, copy: Path) -> None:
-        """``make student`` into ``copy``, run as the learner, so the files are theirs."""
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "labkit.tools.student", "--out", str(copy),
-            preexec_fn=self.make_preexec_fn(self.user.name), env=self.get_env(),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-        if proc.returncode:
+        """``make student`` into ``copy``, run as the learner, so the files are theirs and no
+        other account's (umask 077: folders 700, files 600)."""
+        as_learner = self.make_preexec_fn(self.user.name)
+
+        def preexec():
+            as_learner()
+            os.umask(0o077)
+
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "labkit.tools.student", "--out", str(copy),
+                preexec_fn=preexec, env=self.get_env(),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+            failed = err.decode()[-2000:] if proc.returncode else None
+        except PermissionError as e:  # the interpreter itself is out of the learner's reach
+            failed = str(e)
+        if failed is not None:
             raise RuntimeError(f"writing {self.user.name}'s working copy into {copy} failed:\n"
-                               f"{err.decode()[-2000:]}")
+                               f"{failed}{self.reach_advice()}")
+
+    def reach_advice(self) -> str:
+        """Why the learner's account cannot run labkit, where the mode bits say so."""
+        try:
+            account = pwd.getpwnam(self.user.name)
+        except KeyError:
+            return ""
+        for what, path in (("labkit's interpreter", Path(sys.executable)),
+                           ("this checkout", REPO_ROOT)):
+            if (closed := closed_folder(path, account)) is not None:
+                return (f"\n{self.user.name}'s account cannot reach {what} ({path}): {closed} is "
+                        f"closed to it. Learners' labs run as their own accounts: put the checkout "
+                        f"and the Python its venv was made from where every learner can read them "
+                        f"(e.g. /opt/labkit, with make venv PYTHON=/usr/bin/python3)")
+        return ""
 
 
 class OneAccountSpawner(LabkitSpawner, SimpleLocalProcessSpawner):
