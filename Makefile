@@ -34,6 +34,7 @@ help:
 	@echo "make student    student copies (each marked solution replaced by its stub) -> student/"
 	@echo "make instructor the same files with the solutions kept -> instructor/"
 	@echo "make nbgrader   the exercises as an nbgrader course -> course/ (then nbgrader generate_assignment, autograde)"
+	@echo "                (whole notebooks, graded on a GPU; EXERCISES_ONLY=1: what the exercises need, on a CPU)"
 
 venv: $(VENV)/.installed
 
@@ -119,9 +120,11 @@ student:
 instructor:
 	$(GPY) -m labkit.tools.student --instructor --out instructor
 
-# nbgrader's course folder: source/ rewritten from notebooks/; gradebook, submissions and grades kept
+# nbgrader's course folder: source/ rewritten from notebooks/; gradebook, submissions and grades kept.
+# Whole notebooks, graded on a GPU host; EXERCISES_ONLY=1: what the exercises need, graded on a CPU.
+EXERCISES_ONLY ?=
 nbgrader:
-	$(GPY) -m labkit.tools.nbgrader_source --out course
+	$(GPY) -m labkit.tools.nbgrader_source --out course$(if $(EXERCISES_ONLY), --exercises-only)
 
 reset:
 	$(GPY) -m labkit.tools.handouts --strip notebooks/
