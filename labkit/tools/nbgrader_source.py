@@ -55,7 +55,7 @@ c = get_config()  # noqa: F821 (nbgrader defines it)
 c.CourseDirectory.course_id = "labkit"
 # Release puts labkit's stubs where the solutions were, as `make student` does.
 c.GenerateAssignment.preprocessors = release_preprocessors()
-# A notebook runs whole when it is graded: its lesson cells at full size, on the grader's GPU.
+# A whole notebook runs its lesson at full size when graded: each cell gets up to 10 minutes.
 c.Execute.timeout = 600
 # Triton exercises: grade the learner's kernel file, not the stub the assignment shipped with.
 c.Autograde.exclude_overwriting = {exclude}
