@@ -280,7 +280,7 @@ def test_recompile_claims_fail_when_static_stops_at_the_wrong_count():
 
 def test_reduce_overhead_claims_hold_on_the_recording_and_fail_when_the_clone_is_wrong():
     from labkit.tools import recorded
-    rec = recorded.load("torch_compile")
+    rec = recorded.load("torch_compile", "recompiles")
     over, mut = rec.data["output_overwritten"], rec.data["mutated_input"]
     assert all(c.held for c in cl.reduce_overhead_claims(over, mut, recorded=rec))
     broken = cl.reduce_overhead_claims({**over, "clone_is_right": False},
@@ -290,7 +290,7 @@ def test_reduce_overhead_claims_hold_on_the_recording_and_fail_when_the_clone_is
 
 def test_recorded_claims_name_the_fields_the_recording_lacks(capsys):
     from labkit.tools import recorded
-    rec = recorded.load("torch_compile")
+    rec = recorded.load("torch_compile", "recompiles")
     made = cl.recorded_claims(rec)
     missing = [k for k in cl.RECORDED_FIELDS if k not in rec.data]
     if missing:
@@ -374,7 +374,7 @@ def test_recorded_claims_read_what_the_recorder_writes():
                                   "dynamic": md.steady_record(dyn_run),
                                   "cold_starts": json_columns(starts_df)}))
     from labkit.tools import recorded
-    fp = recorded.load("torch_compile").fingerprint  # an H200 fingerprint, as committed
+    fp = recorded.load("torch_compile", "recompiles").fingerprint  # an H200 fingerprint, as committed
     rec = Recorded("torch_compile", data, fp, "2026-12-01", "make record")
     made = cl.recorded_claims(rec)
     assert len(made) >= 8 and all(c.held for c in made), [str(c) for c in made if not c.held]

@@ -208,7 +208,8 @@ def _need_cuda(what: str) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError(f"{what} needs a CUDA device: mode='reduce-overhead' captures CUDA "
                            "Graphs, and on a CPU Inductor skips them. The notebook shows the "
-                           "recorded GPU result instead (labkit.tools.recorded.load('torch_compile')).")
+                           "recorded GPU result instead "
+                           "(labkit.tools.recorded.load('torch_compile', 'recompiles')).")
     return torch.device("cuda")
 
 
