@@ -140,6 +140,35 @@ def alive(pid: int) -> bool:
         return False
 
 
+def start_hub(python: str, port: int, config, hub_dir, cwd, log) -> subprocess.Popen:
+    """``python -m labkit.tools.hub`` on ``port`` with ``config``, its output in ``log``, in a
+    session of its own (so the test can stop it and everything it started)."""
+    with log.open("w") as log_file:
+        return subprocess.Popen([python, "-m", "labkit.tools.hub", "--port", str(port),
+                                 "--config", str(config), "--hub-dir", str(hub_dir)],
+                                cwd=cwd, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def spawn_servers(hub, url: str, token: str, names, hub_dir, log) -> tuple[int, dict]:
+    """Once the hub answers through the proxy's public port (hub and proxy both up), start a
+    server for each learner in ``names`` and make each a token: (proxy pid, {name: token})."""
+    wait_for("the hub did not answer through the proxy",
+             lambda: hub.poll() is not None or call("GET", f"{url}/hub/api/", token)[0] == 200,
+             log)
+    assert hub.poll() is None, f"the hub exited at start:\n{log.read_text()[-4000:]}"
+    proxy = int((hub_dir / "private" / "jupyterhub-proxy.pid").read_text())
+    tokens = {}
+    for name in names:
+        status, _ = call("POST", f"{url}/hub/api/users/{name}/server", token)
+        assert status in (201, 202), f"spawning {name}'s server: HTTP {status}"
+        status, reply = call("POST", f"{url}/hub/api/users/{name}/tokens", token,
+                             {"note": "test", "expires_in": 600})
+        assert status == 201, f"a token for {name}: HTTP {status}"
+        tokens[name] = reply["token"]
+    return proxy, tokens
+
+
 @pytest.mark.timeout(180)
 def test_two_learners_each_get_their_own_lab_copy_and_device_and_nothing_outlives_the_hub(tmp_path):
     if not PROXY.exists():
@@ -150,29 +179,11 @@ def test_two_learners_each_get_their_own_lab_copy_and_device_and_nothing_outlive
     config.write_text(CONFIG.format(learners=set(LEARNERS), devices=DEVICES, hub_port=free_port(),
                                     api_port=free_port(), token=token, deadline=DEADLINE_S))
     log = tmp_path / "hub.log"
-    with log.open("w") as log_file:
-        hub = subprocess.Popen([sys.executable, "-m", "labkit.tools.hub", "--port", str(port),
-                                "--config", str(config), "--hub-dir", str(tmp_path / "hub")],
-                               cwd=tmp_path, stdout=log_file, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    hub = start_hub(sys.executable, port, config, tmp_path / "hub", tmp_path, log)
     base = f"http://127.0.0.1:{port}"
     pids: dict[str, int] = {}
     try:
-        # Through the proxy's public port: the hub and the proxy both answer.
-        wait_for("the hub did not answer through the proxy",
-                 lambda: hub.poll() is not None or call("GET", f"{base}/hub/api/", token)[0] == 200,
-                 log)
-        assert hub.poll() is None, f"the hub exited at start:\n{log.read_text()[-4000:]}"
-        pids["proxy"] = int((tmp_path / "hub" / "private" / "jupyterhub-proxy.pid").read_text())
-
-        tokens = {}
-        for name in LEARNERS:
-            status, _ = call("POST", f"{base}/hub/api/users/{name}/server", token)
-            assert status in (201, 202), f"spawning {name}'s server: HTTP {status}"
-            status, reply = call("POST", f"{base}/hub/api/users/{name}/tokens", token,
-                                 {"note": "test", "expires_in": 600})
-            assert status == 201, f"a token for {name}: HTTP {status}"
-            tokens[name] = reply["token"]
+        pids["proxy"], tokens = spawn_servers(hub, base, token, LEARNERS, tmp_path / "hub", log)
         for name in LEARNERS:
             server = wait_for(f"{name}'s server was not ready",
                               lambda: ready_server(f"{base}/hub/api/users/{name}", token), log)

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("jupyterhub", reason="needs the hub extra: pip install -e .[hub]")
-from test_hub import DEADLINE_S, alive, call, in_own_loop, ready_server, run_cell, wait_for
+from test_hub import (DEADLINE_S, alive, call, in_own_loop, ready_server, run_cell,
+                      spawn_servers, start_hub, wait_for)
 
 from labkit.tools.hub import PROXY, closed_folder
 from labkit.tools.lab_server import free_port
@@ -166,27 +167,12 @@ def hub_and_learners(base: Path, accounts: list[pwd.struct_passwd], tmp_path: Pa
     config.write_text(CONFIG.format(learners=set(names), hub_port=free_port(),
                                     api_port=free_port(), token=token, deadline=DEADLINE_S))
     log = tmp_path / "hub.log"
-    with log.open("w") as log_file:  # the shipped spawner: LabkitSpawner, one account each
-        hub = subprocess.Popen([python, "-m", "labkit.tools.hub", "--port", str(port),
-                                "--config", str(config), "--hub-dir", str(base / "hub")],
-                               cwd=tmp_path, stdout=log_file, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    # the shipped spawner: LabkitSpawner, one account each
+    hub = start_hub(python, port, config, base / "hub", tmp_path, log)
     url = f"http://127.0.0.1:{port}"
     pids: dict[str, int] = {}
     try:
-        wait_for("the hub did not answer through the proxy",
-                 lambda: hub.poll() is not None or call("GET", f"{url}/hub/api/", token)[0] == 200,
-                 log)
-        assert hub.poll() is None, f"the hub exited at start:\n{log.read_text()[-4000:]}"
-        pids["proxy"] = int((base / "hub" / "private" / "jupyterhub-proxy.pid").read_text())
-        tokens = {}
-        for name in names:
-            status, _ = call("POST", f"{url}/hub/api/users/{name}/server", token)
-            assert status in (201, 202), f"spawning {name}'s server: HTTP {status}"
-            status, reply = call("POST", f"{url}/hub/api/users/{name}/tokens", token,
-                                 {"note": "test", "expires_in": 600})
-            assert status == 201, f"a token for {name}: HTTP {status}"
-            tokens[name] = reply["token"]
+        pids["proxy"], tokens = spawn_servers(hub, url, token, names, base / "hub", log)
 
         for account in accounts:
             name = account.pw_name
