@@ -169,6 +169,33 @@ def spawn_servers(hub, url: str, token: str, names, hub_dir, log) -> tuple[int, 
     return proxy, tokens
 
 
+def stop_and_check(hub, pids: dict, log) -> None:
+    """SIGTERM the hub, which stops the learners' servers and the proxy: nothing in ``pids``
+    may still run a little later."""
+    hub.send_signal(signal.SIGTERM)
+    hub.wait(timeout=DEADLINE_S)
+    deadline = time.time() + DEADLINE_S
+    while (left := [what for what, pid in pids.items() if alive(pid)]) and time.time() < deadline:
+        time.sleep(0.3)
+    assert not left, f"still running after the hub stopped: {left}\n{log.read_text()[-4000:]}"
+
+
+def clean_up(hub, pids: dict) -> None:
+    """After a failure too: the hub stops what it started, else it and they are killed (only
+    what the test started, and only if it is still there)."""
+    if hub.poll() is None:
+        hub.send_signal(signal.SIGTERM)
+        try:
+            hub.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(hub.pid, signal.SIGKILL)
+            hub.wait(timeout=10)
+    for pid in pids.values():
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(180)
 def test_two_learners_each_get_their_own_lab_copy_and_device_and_nothing_outlives_the_hub(tmp_path):
     if not PROXY.exists():
@@ -215,21 +242,6 @@ def test_two_learners_each_get_their_own_lab_copy_and_device_and_nothing_outlive
             status, _ = call("GET", f"{base}/user/{owner}/api/contents/00_tour.ipynb", tokens[reader])
             assert status in (403, 404), f"{reader}'s token read {owner}'s notebook: HTTP {status}"
 
-        hub.send_signal(signal.SIGTERM)  # the hub stops the learners' servers and the proxy
-        hub.wait(timeout=DEADLINE_S)
-        deadline = time.time() + DEADLINE_S
-        while (left := [what for what, pid in pids.items() if alive(pid)]) and time.time() < deadline:
-            time.sleep(0.3)
-        assert not left, f"still running after the hub stopped: {left}\n{log.read_text()[-4000:]}"
-    finally:  # after a failure too: the hub stops what it started, else it and they are killed
-        if hub.poll() is None:
-            hub.send_signal(signal.SIGTERM)
-            try:
-                hub.wait(timeout=DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(hub.pid, signal.SIGKILL)
-                hub.wait(timeout=10)
-        for pid in pids.values():  # only what this test started, and only if it is still there
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        stop_and_check(hub, pids, log)
+    finally:
+        clean_up(hub, pids)

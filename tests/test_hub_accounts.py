@@ -20,14 +20,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("jupyterhub", reason="needs the hub extra: pip install -e .[hub]")
-from test_hub import (DEADLINE_S, alive, call, in_own_loop, ready_server, run_cell,
-                      spawn_servers, start_hub, wait_for)
+from test_hub import (DEADLINE_S, call, clean_up, in_own_loop, ready_server, run_cell,
+                      spawn_servers, start_hub, stop_and_check, wait_for)
 
 from labkit.tools.hub import PROXY, closed_folder
 from labkit.tools.lab_server import free_port
@@ -210,22 +209,6 @@ def hub_and_learners(base: Path, accounts: list[pwd.struct_passwd], tmp_path: Pa
             assert status in (403, 404), (
                 f"{other.pw_name}'s token read {owner.pw_name}'s notebook: HTTP {status}")
 
-        hub.send_signal(signal.SIGTERM)  # the hub stops the learners' servers and the proxy
-        hub.wait(timeout=DEADLINE_S)
-        deadline = time.time() + DEADLINE_S
-        while ((left := [what for what, pid in pids.items() if alive(pid)])
-               and time.time() < deadline):
-            time.sleep(0.3)
-        assert not left, f"still running after the hub stopped: {left}\n{log.read_text()[-4000:]}"
-    finally:  # after a failure too: the hub stops what it started, else it and they are killed
-        if hub.poll() is None:
-            hub.send_signal(signal.SIGTERM)
-            try:
-                hub.wait(timeout=DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(hub.pid, signal.SIGKILL)
-                hub.wait(timeout=10)
-        for pid in pids.values():
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        stop_and_check(hub, pids, log)
+    finally:
+        clean_up(hub, pids)
