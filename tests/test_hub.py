@@ -169,6 +169,18 @@ def spawn_servers(hub, url: str, token: str, names, hub_dir, log) -> tuple[int, 
     return proxy, tokens
 
 
+def kernel_reports(port: int, name: str, token: str, expressions: str) -> list:
+    """Start a kernel for a notebook of ``name``'s copy, as opening it in JupyterLab does, run
+    ``print(json.dumps([expressions]))`` in it and return the list it printed."""
+    lab = f"http://127.0.0.1:{port}/user/{name}/api"
+    status, session = call("POST", f"{lab}/sessions", token, {
+        "path": "00_tour.ipynb", "type": "notebook", "kernel": {"name": "python3"}})
+    assert status == 201, f"{name} starting a notebook's kernel: HTTP {status}"
+    ws_url = f"ws://127.0.0.1:{port}/user/{name}/api/kernels/{session['kernel']['id']}/channels"
+    return json.loads(in_own_loop(run_cell(ws_url, token, "import json, os\nprint(json.dumps(["
+                                           f"{expressions}]))")))
+
+
 def stop_and_check(hub, pids: dict, log) -> None:
     """SIGTERM the hub, which stops the learners' servers and the proxy: nothing in ``pids``
     may still run a little later."""
@@ -223,16 +235,9 @@ def test_two_learners_each_get_their_own_lab_copy_and_device_and_nothing_outlive
             assert status == 200, f"{name} reading their own files: HTTP {status}"
             assert "00_tour.ipynb" in {f["name"] for f in listing["content"]}, (
                 f"{name}'s lab does not open on the student notebooks: {listing['content']}")
-            # A kernel for a notebook of their copy, as opening it in JupyterLab starts one.
-            status, session = call("POST", f"{lab}/sessions", tokens[name], {
-                "path": "00_tour.ipynb", "type": "notebook", "kernel": {"name": "python3"}})
-            assert status == 201, f"{name} starting a notebook's kernel: HTTP {status}"
-            kernel = session["kernel"]["id"]
-            ws_url = f"ws://127.0.0.1:{port}/user/{name}/api/kernels/{kernel}/channels"
-            out = in_own_loop(run_cell(ws_url, tokens[name], "import json, os\nprint(json.dumps("
-                                       "[os.environ.get('CUDA_VISIBLE_DEVICES'), os.getcwd(), "
-                                       "os.getpid()]))"))
-            seen[name], cwd, pids[f"{name}'s kernel"] = json.loads(out)
+            seen[name], cwd, pids[f"{name}'s kernel"] = kernel_reports(
+                port, name, tokens[name], "os.environ.get('CUDA_VISIBLE_DEVICES'), os.getcwd(), "
+                "os.getpid()")
             assert cwd == str(tmp_path / "hub" / "learners" / name / "labkit" / "notebooks"), (
                 f"{name}'s kernel runs in {cwd}, not in their own working copy")
         assert sorted(seen.values()) == sorted(DEVICES), (

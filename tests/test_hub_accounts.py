@@ -9,7 +9,6 @@ It needs root (to create the accounts and for the hub to switch to them) and ski
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pwd
 import secrets
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("jupyterhub", reason="needs the hub extra: pip install -e .[hub]")
-from test_hub import (DEADLINE_S, call, clean_up, in_own_loop, ready_server, run_cell,
+from test_hub import (DEADLINE_S, call, clean_up, kernel_reports, ready_server,
                       spawn_servers, start_hub, stop_and_check, wait_for)
 
 from labkit.tools.hub import PROXY, closed_folder
@@ -180,16 +179,9 @@ def hub_and_learners(base: Path, accounts: list[pwd.struct_passwd], tmp_path: Pa
             pids[f"{name}'s server"] = server["state"]["pid"]
             assert uid_of(server["state"]["pid"]) == account.pw_uid, (
                 f"{name}'s server does not run as {name}")
-            lab = f"{url}/user/{name}/api"
-            status, session = call("POST", f"{lab}/sessions", tokens[name], {
-                "path": "00_tour.ipynb", "type": "notebook", "kernel": {"name": "python3"}})
-            assert status == 201, f"{name} starting a notebook's kernel: HTTP {status}"
-            kernel = session["kernel"]["id"]
-            ws_url = f"ws://127.0.0.1:{port}/user/{name}/api/kernels/{kernel}/channels"
-            out = in_own_loop(run_cell(ws_url, tokens[name], "import json, os\nprint(json.dumps(["
-                                       "os.getuid(), os.environ['HOME'], os.getcwd(), os.getpid()"
-                                       "]))"))
-            uid, home, cwd, pids[f"{name}'s kernel"] = json.loads(out)
+            uid, home, cwd, pids[f"{name}'s kernel"] = kernel_reports(
+                port, name, tokens[name],
+                "os.getuid(), os.environ['HOME'], os.getcwd(), os.getpid()")
             assert (uid, home) == (account.pw_uid, account.pw_dir), (
                 f"{name}'s kernel runs as uid {uid} with HOME {home}")
             assert cwd == f"{account.pw_dir}/labkit/notebooks", f"{name}'s kernel runs in {cwd}"
