@@ -31,17 +31,22 @@ DEVICES = ["MIG-11111111-aaaa-5555-8888-000000000001", "MIG-22222222-bbbb-5555-8
 LEARNERS = ("alice", "bob")
 DEADLINE_S = 40  # for each wait below; the whole test takes about 20 s on two cores
 
-CONFIG = """
-c.JupyterHub.authenticator_class = "dummy"   # tests only, on loopback: never a shipped default
+# What both hub tests configure: a dummy authenticator (tests only, on loopback: never a
+# shipped default), the hub's internal port, the proxy's API, an instructor service token with
+# the admin role, and how long a spawn may take.
+COMMON_CONFIG = """
+c.JupyterHub.authenticator_class = "dummy"
 c.Authenticator.allowed_users = {learners!r}
-c.JupyterHub.spawner_class = "labkit.tools.hub.OneAccountSpawner"
-c.LabkitSpawner.devices = {devices!r}
 c.JupyterHub.hub_port = {hub_port}
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{api_port}"
 c.JupyterHub.services = [{{"name": "instructor", "api_token": {token!r}}}]
 c.JupyterHub.load_roles = [{{"name": "admin", "services": ["instructor"]}}]
 c.Spawner.start_timeout = c.Spawner.http_timeout = {deadline}
 c.LocalProcessSpawner.interrupt_timeout = 5
+"""
+CONFIG = COMMON_CONFIG + """
+c.JupyterHub.spawner_class = "labkit.tools.hub.OneAccountSpawner"
+c.LabkitSpawner.devices = {devices!r}
 """
 
 

@@ -24,22 +24,13 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("jupyterhub", reason="needs the hub extra: pip install -e .[hub]")
-from test_hub import (DEADLINE_S, call, clean_up, kernel_reports, ready_server,
+from test_hub import (COMMON_CONFIG, DEADLINE_S, call, clean_up, kernel_reports, ready_server,
                       spawn_servers, start_hub, stop_and_check, wait_for)
 
 from labkit.tools.hub import PROXY, closed_folder
 from labkit.tools.lab_server import free_port
 
-CONFIG = """
-c.JupyterHub.authenticator_class = "dummy"   # tests only, on loopback: never a shipped default
-c.Authenticator.allowed_users = {learners!r}  # hub names are the OS accounts' names
-c.JupyterHub.hub_port = {hub_port}
-c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{api_port}"
-c.JupyterHub.services = [{{"name": "instructor", "api_token": {token!r}}}]
-c.JupyterHub.load_roles = [{{"name": "admin", "services": ["instructor"]}}]
-c.Spawner.start_timeout = c.Spawner.http_timeout = {deadline}
-c.LocalProcessSpawner.interrupt_timeout = 5
-"""
+CONFIG = COMMON_CONFIG  # the shipped spawner, LabkitSpawner; hub names are the accounts' names
 
 
 def demoted(account: pwd.struct_passwd):
