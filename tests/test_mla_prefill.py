@@ -102,6 +102,17 @@ def test_a_prefix_cache_hit_is_read_from_the_blocks_another_sequence_wrote(model
     assert err < 1e-4 * expected.abs().max().item(), f"error {err:.2e}"
 
 
+def test_a_step_past_the_end_of_a_prompt_is_refused_naming_input_ids(model):
+    """The second step asks for a sixth token of a five-token prompt: slicing gives one token
+    too few, so the tokens no longer match the lengths the positions come from."""
+    seqs, tables = paged_case(fresh_seed(), [5, 3])
+    run_steps(model, seqs, tables, [[5, 1]])
+    ids = torch.cat([seqs[0][5:6], seqs[1][1:2]])  # seqs[0] has no token 5
+    with pytest.raises(ValueError, match=r"input_ids has \(1,\) tokens .* 2 new ones"):
+        model.forward_paged(ids, model.latent_cache(int(tables.max()) + 1, BLOCK), tables,
+                            cu_seqlens([1, 1]), torch.tensor([6, 2], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("prompt_len", [1, 4, 7, 17])
 def test_greedy_tokens_equal_the_decompressed_forward(model, prompt_len):
     g = torch.Generator().manual_seed(fresh_seed())
@@ -169,13 +180,14 @@ def test_the_torch_fallback_and_flash_attention_agree_with_more_keys_than_querie
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
 def test_gpu_paged_steps_equal_the_decompressed_forward(dtype, tol):
-    """A chunked 40-token and 70-token prompt, a 3-token and a one-token prompt, decodes in
-    between: labkit's kernels in ``dtype`` against the float32 decompressed forward."""
+    """A 41-token prompt in chunks of 17 and 23 then a decode, a 70-token prompt in chunks of 33
+    and 37, a 3-token prompt a token a step, and a one-token prompt: labkit's kernels in
+    ``dtype`` against the float32 decompressed forward."""
     seed = fresh_seed()
     reference = mla_model(tiny_mla(q_lora_rank=24), seed).to("cuda")
     model = mla_model(tiny_mla(q_lora_rank=24), seed).to("cuda", dtype)
     model.decompress_min_tokens = 4
-    seqs, tables = paged_case(seed, [40, 3, 70, 1])
+    seqs, tables = paged_case(seed, [41, 3, 70, 1])
     seqs, tables = [s.cuda() for s in seqs], tables.cuda()
     expected = [reference(s[None])[0] for s in seqs]
     cache = model.latent_cache(int(tables.max()) + 1, BLOCK)

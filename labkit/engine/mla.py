@@ -311,6 +311,12 @@ class MLAModel(nn.Module):
         if backend not in ("triton", "reference"):
             raise ValueError(f"backend={backend!r}: forward_paged runs 'triton' (labkit's "
                              "kernels) or 'reference' (the definition)")
+        if input_ids.shape != (int(cu_seqlens_q[-1]),):
+            # else positions (from the lengths) and tokens disagree, and RoPE broadcasts them
+            raise ValueError(f"input_ids has {tuple(input_ids.shape)} tokens but cu_seqlens_q "
+                             f"{cu_seqlens_q.tolist()} says the step has "
+                             f"{int(cu_seqlens_q[-1])} new ones: pass exactly each sequence's "
+                             "new tokens, none past the end of its prompt")
         positions = step_positions(cu_seqlens_q, seq_lens)
         slots = slot_mapping(block_tables, cu_seqlens_q, positions, latent_cache.shape[2])
         rank = self.config.kv_lora_rank
