@@ -79,7 +79,7 @@ def _fits_in_shared_memory(configs, named_args, **kwargs):
 def attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, stride_vt, start,
                  end, len_k, pos, qk_scale, window, offs_n, offs_d,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 WINDOW: tl.constexpr, TMA: tl.constexpr):
+                 WINDOW: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):
     """Fold key tiles [start, end) into the running (acc, l, m) of one query tile."""
     for n in range(start, end, BLOCK_N):
         keys = n + offs_n
@@ -98,7 +98,7 @@ def attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, stri
             else:
                 k = tl.load(k_ptrs)
                 v = tl.load(v_ptrs)
-        s = tl.dot(q, k)  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         if MASKED:
             ok = in_seq[None, :]
             if CAUSAL:
@@ -112,7 +112,7 @@ def attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, stri
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old maximum
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulate in place
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -124,8 +124,8 @@ def flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ot, stride_oh, qk_scale, window,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                     WINDOW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     WINDOW: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Causal tiles at the end of a sequence have the most keys: start them first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -174,13 +174,13 @@ def flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
     kv_col = kv_head * HEAD_DIM  # this head's columns in a descriptor's [tokens, heads * D]
     acc, l_i, m_i = attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
                                  stride_vt, lo, full_lo, len_k, pos, qk_scale, window, offs_n,
-                                 offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+                                 offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA, PRECISION)
     acc, l_i, m_i = attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
                                  stride_vt, full_lo, full_hi, len_k, pos, qk_scale, window,
-                                 offs_n, offs_d, BLOCK_N, False, CAUSAL, WINDOW, TMA)
+                                 offs_n, offs_d, BLOCK_N, False, CAUSAL, WINDOW, TMA, PRECISION)
     acc, l_i, m_i = attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt,
                                  stride_vt, full_hi, hi, len_k, pos, qk_scale, window, offs_n,
-                                 offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA)
+                                 offs_d, BLOCK_N, True, CAUSAL, WINDOW, TMA, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that saw no key gives zeros
     o_ptrs = Out + (q_row0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -222,6 +222,8 @@ def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
     ``max_seqlen_q`` given as well, the call never waits for the GPU (CUDA Graph capture needs it).
     ``tma``: load tiles through tensor descriptors (True), through pointers (False), or the
     descriptors wherever the GPU and the tensors' layout allow them (None).
+    float32 inputs take IEEE float32 dots, as torch's float32 matmuls do, not TF32: slower,
+    but float32 is where labkit compares results token for token.
     """
     check_heads_and_dtypes(q, k, v, k_dims=3)
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -262,6 +264,9 @@ def flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
         out.stride(0), out.stride(1), scale * math.log2(math.e), window or 0,
         GROUP=num_q_heads // k.shape[1], HEAD_DIM=head_dim, CAUSAL=bool(causal),
         WINDOW=window is not None, TMA=use_tma,
+        # tl.dot's default takes float32 as TF32 (10-bit mantissas, ~1e-3 off): enough to flip a
+        # greedy token. 16-bit inputs ignore the setting.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
 

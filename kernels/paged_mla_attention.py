@@ -52,7 +52,7 @@ def paged_mla_kernel(
         num_heads, qk_scale, num_splits, keys_per_split,
         HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
         ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        SPLIT: tl.constexpr):
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     head_group = tl.program_id(1)
     q_tile = tl.program_id(2) // num_splits
@@ -98,7 +98,8 @@ def paged_mla_kernel(
         c_kv = tl.load(latent + offs_c[None, :], mask=in_range[:, None], other=0.0)  # [N, RANK]
         k_pe = tl.load(latent + RANK + offs_p[None, :], mask=in_range[:, None], other=0.0)
         # one tile, two uses: c_kv is the key's latent part here and the value below
-        s = tl.dot(q_lat, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))  # [rows, N]
+        s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION) + \
+            tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)  # [rows, N]
         ok = in_range[None, :]
         if CAUSAL:
             ok = ok & (keys[None, :] <= pos[:, None])
@@ -107,7 +108,7 @@ def paged_mla_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None])
+        acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -213,7 +214,7 @@ class MLAPlan:
 
 def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: int,
              max_query_len: int, device, *, scale: float, causal: bool = True,
-             num_splits: int | None = None) -> MLAPlan:
+             num_splits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> MLAPlan:
     """The tile plan for ``batch`` sequences, the longest ``max_seq_len`` tokens with
     ``max_query_len`` new ones. A program's rows are (token, head) pairs, at least the 16 that
     tl.dot needs; its accumulator is rows x kv_lora_rank float32, so rows cost registers.
@@ -224,7 +225,10 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
     program with 32-key tiles), unless too few programs would run, where 32 per program with
     more splits wins; programs that heavy want about one per SM, not ``WAVES``. With 16 heads,
     4-warp programs over 32-key tiles, several per SM, and 64-key tiles with 8 warps once the
-    grid no longer fills the GPU (a long context split across one sequence)."""
+    grid no longer fills the GPU (a long context split across one sequence).
+
+    ``dtype`` is the cache's: a float32 plan's dots are IEEE float32, not TF32, so its scores
+    are the ones torch computes."""
     interp = interpreter_on()
     sms = num_sms(torch.device(device))
     decode = max_query_len <= 1 and not interp
@@ -254,7 +258,8 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
     else:
         block_n, launch = 32, {"num_warps": 4, "num_stages": 2}
     keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    consts = {"HEADS": heads, "BLOCK_Q": block_q, "BLOCK_N": block_n, "CAUSAL": bool(causal)}
+    consts = {"HEADS": heads, "BLOCK_Q": block_q, "BLOCK_N": block_n, "CAUSAL": bool(causal),
+              "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}  # 16-bit: unused
     grid = (batch if max_query_len > 0 else 0, head_groups, q_tiles * num_splits)
     return MLAPlan(consts, launch, grid, num_splits, keys_per_split, scale, cache_shape[1])
 
@@ -300,7 +305,7 @@ def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, cu_seqlens
         return out
     plan = plan_mla(q_latent.shape[1], rank, latent_cache.shape, block_tables.shape[0],
                     max_seq_len, max_query_len, q_latent.device, scale=scale, causal=causal,
-                    num_splits=num_splits)
+                    num_splits=num_splits, dtype=q_latent.dtype)
     return plan.run(q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q, seq_lens, out)
 
 

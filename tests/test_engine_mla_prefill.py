@@ -134,8 +134,8 @@ def test_graphs_and_compile_branch_on_the_steps_real_rows(model, expected, paths
 
 # --- on a GPU: the triton backend in bf16 and float32, every graph mode ----------------------
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+@pytest.mark.gpu  # float32: IEEE dots, rounding order only (TF32 dots came to about 1e-3)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("mode", ["none", "full_and_piecewise"])
 def test_gpu_engine_prefill_logits_equal_the_decompressed_forward(dtype, tol, mode):
     reference = mla_model(tiny_mla(q_lora_rank=24), 5).to("cuda")

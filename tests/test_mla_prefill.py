@@ -175,10 +175,35 @@ def test_the_torch_fallback_and_flash_attention_agree_with_more_keys_than_querie
     assert (torch_out[:1] - alone).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "ieee"), (torch.bfloat16, "tf32")])
+def test_both_paths_take_float32_as_ieee_dots_not_tf32(monkeypatch, model, dtype, precision):
+    """What each kernel is told: Triton's interpreter computes every dot in full precision, but
+    a GPU's default takes float32 as TF32, about 1e-3 off, enough to flip a greedy token."""
+    from labkit.kernels import flash_attention as flash_file, paged_mla_attention as mla_file
+    told = []
+
+    class Launch:  # stands for a kernel: records the precision it is launched with
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: told.append(kwargs["PRECISION"])
+    monkeypatch.setattr(flash_file, "flash_fwd_kernel", Launch())
+    monkeypatch.setattr(mla_file, "paged_mla_kernel", Launch())
+    model.to(dtype)
+    seqs, tables = paged_case(fresh_seed(), [6, 1])
+    model.forward_paged(torch.cat(seqs), model.latent_cache(int(tables.max()) + 1, BLOCK),
+                        tables, cu_seqlens([6, 1]), torch.tensor([6, 1], dtype=torch.int32))
+    layers = model.config.num_hidden_layers
+    assert told == [precision, precision] * layers  # the one-token prompt absorbed, then flash
+
+
 # --- on a GPU: labkit's kernels in bf16 and float32 -------------------------------------------
 
+# float32's dots are IEEE float32, so only the order of the sums differs from torch's: TF32 dots
+# (10-bit mantissas) came to about 1e-3 here.
+FLOAT32_TOL = 1e-4
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FLOAT32_TOL), (torch.bfloat16, 5e-2)])
 def test_gpu_paged_steps_equal_the_decompressed_forward(dtype, tol):
     """A 41-token prompt in chunks of 17 and 23 then a decode, a 70-token prompt in chunks of 33
     and 37, a 3-token prompt a token a step, and a one-token prompt: labkit's kernels in
@@ -203,7 +228,7 @@ def test_gpu_paged_steps_equal_the_decompressed_forward(dtype, tol):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FLOAT32_TOL), (torch.bfloat16, 2e-2)])
 def test_gpu_decompressed_rows_equal_the_absorbed_kernel_at_deepseek_widths(dtype, tol):
     """One step at DeepSeek-V3's attention widths (latent 512 + 64, keys 128 + 64, values 128;
     16 heads): a 300-token chunk after 200 cached tokens, a decode and a 1,100-token prompt,
