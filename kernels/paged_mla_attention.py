@@ -42,6 +42,7 @@ from labkit.kernels.paged_attention_split import (WAVES, choose_num_splits, merg
                                                    num_sms)
 
 LOG2_E = 1.4426950408889634
+SHARED_MEMORY_BYTES = 227 * 1024  # the most one block may have on an H100 or H200
 
 
 @triton.jit
@@ -212,6 +213,15 @@ class MLAPlan:
         return out
 
 
+def shared_memory_bytes(rows: int, block_n: int, width: int, element_size: int) -> int:
+    """The shared memory a program of ``rows`` (token, head) rows over ``block_n``-key tiles of
+    ``width``-wide latent rows asks for, at most: its query tile, two latent tiles (the one in
+    use and the next one loading), its probabilities, and 1 KiB of bookkeeping. What Triton 3.6
+    allocates for sm_90 (an H200) is at or below this for every plan ``plan_mla`` makes at
+    DeepSeek's widths, bf16 or float32 (measured by compiling each one)."""
+    return element_size * (width * (rows + 2 * block_n) + rows * block_n) + 1024
+
+
 def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: int,
              max_query_len: int, device, *, scale: float, causal: bool = True,
              num_splits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> MLAPlan:
@@ -227,8 +237,9 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
     4-warp programs over 32-key tiles, several per SM, and 64-key tiles with 8 warps once the
     grid no longer fills the GPU (a long context split across one sequence).
 
-    ``dtype`` is the cache's: a float32 plan's dots are IEEE float32, not TF32, so its scores
-    are the ones torch computes."""
+    Those tiles are bf16's. ``dtype`` (the cache's) with wider elements halves the key tile
+    until ``shared_memory_bytes`` fits a block's ``SHARED_MEMORY_BYTES``; a float32 plan's dots
+    are IEEE float32, not TF32, so its scores are the ones torch computes."""
     interp = interpreter_on()
     sms = num_sms(torch.device(device))
     decode = max_query_len <= 1 and not interp
@@ -257,6 +268,10 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
         block_n, launch = 64, {"num_warps": 8, "num_stages": 3 if rows >= 64 else 2}
     else:
         block_n, launch = 32, {"num_warps": 4, "num_stages": 2}
+    element_size = torch.empty((), dtype=dtype).element_size()
+    while not interp and block_n > 16 and shared_memory_bytes(
+            rows, block_n, cache_shape[2], element_size) > SHARED_MEMORY_BYTES:
+        block_n //= 2
     keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     consts = {"HEADS": heads, "BLOCK_Q": block_q, "BLOCK_N": block_n, "CAUSAL": bool(causal),
               "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}  # 16-bit: unused

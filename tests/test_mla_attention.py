@@ -4,6 +4,7 @@ On CPU the kernel runs in Triton's interpreter (float32/float16, small widths); 
 ``gpu`` run DeepSeek's widths (kv_lora_rank 512, rope 64) in bf16, and inside a CUDA Graph.
 Every random test prints its seed on failure, so a failure can be replayed.
 """
+import itertools
 import math
 
 import pytest
@@ -168,6 +169,40 @@ def test_decode_plans_follow_the_h200_sweep(monkeypatch):
     assert plan(1, 16, 32768) == (16, 64, 8, 2, 64), "a grid short of the SMs: 64-key tiles"
     mixed = mla.plan_mla(128, 512, (4096, 64, 576), 8, 4096, 5, "cpu", scale=1.0)
     assert mixed.consts["HEADS"] * mixed.consts["BLOCK_Q"] == 32, "verify tokens: rows cap at 32"
+
+
+# What Triton 3.6 allocated compiling each plan below for sm_90 (an H200): (rows, keys per
+# tile, bytes an element) -> bytes. The bf16 ones run on the H200; the float32 one that
+# failed there (16 rows over 64-key tiles, 315,392 bytes) was TF32's, an IEEE plan takes less.
+COMPILED_SHARED_BYTES = {(16, 32, 2): 56320, (16, 64, 2): 94208, (32, 64, 2): 114688,
+                         (64, 64, 2): 221696, (16, 32, 4): 112704, (32, 32, 4): 151680,
+                         (64, 16, 4): 188800}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_plan_at_deepseek_widths_fits_an_h200_blocks_shared_memory(monkeypatch, dtype):
+    """16 and 128 heads, batch 1 and 64, short and long contexts, decode, verify and chunk
+    steps: float32 tiles take twice bf16's bytes, so its key tiles may be narrower (nothing
+    else changes); its dots are IEEE float32."""
+    from labkit.kernels import paged_mla_attention as mla
+    monkeypatch.setattr(mla, "interpreter_on", lambda: False)
+    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    for heads, batch, ctx, new in itertools.product((16, 128), (1, 64), (300, 4096, 32768),
+                                                    (1, 5, 300, 1100)):
+        p = mla.plan_mla(heads, 512, (batch * ctx // 64 + 1, 64, 576), batch, ctx, new, "cpu",
+                         scale=1.0, dtype=dtype)
+        bf16 = mla.plan_mla(heads, 512, (batch * ctx // 64 + 1, 64, 576), batch, ctx, new,
+                            "cpu", scale=1.0)
+        rows, block_n = p.consts["HEADS"] * p.consts["BLOCK_Q"], p.consts["BLOCK_N"]
+        need = mla.shared_memory_bytes(rows, block_n, 576, element_size)
+        case = f"{heads} heads, batch {batch}, {ctx} keys, {new} new: {need} bytes"
+        assert need <= mla.SHARED_MEMORY_BYTES == 232448, case
+        assert COMPILED_SHARED_BYTES.get((rows, block_n, element_size), 0) <= need, case
+        assert p.consts["PRECISION"] == ("ieee" if dtype == torch.float32 else "tf32")
+        assert {**p.consts, "BLOCK_N": 0, "PRECISION": 0} == \
+            {**bf16.consts, "BLOCK_N": 0, "PRECISION": 0} and p.launch == bf16.launch, case
+        assert block_n <= bf16.consts["BLOCK_N"], case
 
 
 # --- on a GPU: DeepSeek's widths in bf16, and inside a CUDA Graph -----------------------------
