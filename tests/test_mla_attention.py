@@ -1,8 +1,8 @@
 """paged_mla_attention against its float64 reference, and the absorption algebra it rests on.
 
 On CPU the kernel runs in Triton's interpreter (float32/float16, small widths); the tests marked
-``gpu`` run DeepSeek's widths (kv_lora_rank 512, rope 64) in bf16, and inside a CUDA Graph.
-Every random test prints its seed on failure, so a failure can be replayed.
+``gpu`` run DeepSeek's widths (kv_lora_rank 512, rope 64) in bf16 and float32, and inside a
+CUDA Graph. Every random test prints its seed on failure, so a failure can be replayed.
 """
 import itertools
 import math
@@ -232,6 +232,23 @@ def test_gpu_mla_bf16_at_deepseek_widths_relative_error_below_1e_2(heads, num_sp
     err = rel_err(paged_mla_attention(*args, scale=192 ** -0.5, num_splits=num_splits),
                   paged_mla_attention_ref(*args, scale=192 ** -0.5))
     assert err < 1e-2, f"seed {seed}: {heads} heads splits {num_splits}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("lens_q,seq_lens", [
+    ([1, 1, 4, 200, 0], [4000, 17, 900, 1200, 3]),
+    ([1] * 40, [300 + 13 * i for i in range(40)]),  # 128 heads: 64-row decode programs
+], ids=["mixed", "decode"])
+def test_gpu_mla_float32_at_deepseek_widths_is_ieee_float32(heads, lens_q, seq_lens):
+    """float32 plans fit the shared memory with their narrower key tiles, and their dots are
+    IEEE float32 (TF32's 10-bit mantissas come to around 1e-4 here)."""
+    seed = fresh_seed()
+    args = mla_batch(lens_q, seq_lens, heads, 64, torch.float32, seed, rank=512, rope=64,
+                     device="cuda")
+    err = rel_err(paged_mla_attention(*args, scale=192 ** -0.5),
+                  paged_mla_attention_ref(*args, scale=192 ** -0.5))
+    assert err < 1e-5, f"seed {seed}: {heads} heads: {err:.2e}"
 
 
 @pytest.mark.gpu
