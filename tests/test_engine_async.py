@@ -138,6 +138,37 @@ def test_a_failed_step_leaves_the_engine_as_it_was(async_scheduling, fail_at):
         [o.token_ids for o in fresh.generate(prompts, params)]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_failing_after_its_launch_raises_its_own_error_and_leaks_nothing(
+        async_scheduling, monkeypatch):
+    """Reading back or updating a step's tokens can fail after the runner succeeded (a
+    host copy into a buffer too small, a device error surfacing at the sync): the step is
+    still in flight then, and the engine must undo it before aborting its requests, or the
+    abort fails and hides the first error."""
+    from labkit.engine.step_loop import StepLoop
+    prompts, params = workload(seed=7, n=5)
+    llm = LLM(CFG, device="cpu", async_scheduling=async_scheduling, max_num_batched_tokens=48,
+              max_num_seqs=4)
+    real, calls = StepLoop._complete, []
+
+    def failing(self, done):
+        calls.append(done.step.step_id)
+        if len(calls) == 3:
+            raise ValueError("reading the step's tokens failed")
+        return real(self, done)
+    monkeypatch.setattr(StepLoop, "_complete", failing)
+    with pytest.raises(ValueError, match="reading the step's tokens failed"):
+        llm.generate(prompts, params)
+    monkeypatch.setattr(StepLoop, "_complete", real)
+    bm = llm.block_manager
+    assert not llm.has_unfinished_requests() and llm.scheduler.steps_in_flight == 0
+    assert bm.num_free_blocks == bm.num_blocks and not bm.seq_ids, "blocks leaked"
+    fresh = LLM(CFG, device="cpu", async_scheduling=async_scheduling,
+                max_num_batched_tokens=48, max_num_seqs=4)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == \
+        [o.token_ids for o in fresh.generate(prompts, params)]
+
+
 def test_abort_step_undoes_admission_and_uncaches_the_blocks_it_registered():
     bm = BlockManager(16, 4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,

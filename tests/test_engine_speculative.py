@@ -267,3 +267,18 @@ def test_gpu_greedy_outputs_are_those_of_plain_decoding_in_every_graph_mode(mode
     base, _ = run(async_scheduling=False)
     got, spec = run(speculative=SpeculativeConfig("ngram", 4))
     assert got == base and spec.stats.num_spec_accepted > 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_full_batch_of_verify_rows_fits_the_pinned_token_buffers():
+    """Every running request verifying k drafts samples (k + 1) x max_num_seqs tokens in one
+    step: the pinned buffers its tokens are read back through must hold that many."""
+    def run(**kw):
+        llm = LLM(TINY, device="cuda", dtype=torch.float32, max_num_seqs=len(PROMPTS), **kw)
+        return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24))], llm
+
+    base, _ = run()
+    got, spec = run(speculative=SpeculativeConfig("controlled", 4, acceptance=1.0))
+    assert got == base
+    assert max(s.num_decode_tokens for s in spec.scheduler.history) > len(PROMPTS), \
+        "a step sampled more tokens than there are rows: the case the buffers must hold"

@@ -152,8 +152,10 @@ class LLM(StepLoop):
         self._launched: LaunchedStep | None = None      # async: the step on the device
         self._token_buffers = None
         if self.device.type == "cuda":  # two pinned buffers: step N's and step N+1's samples
-            self._token_buffers = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True)
-                                   for _ in range(2)]
+            # a verify row samples k + 1 tokens, every other row at most one
+            per_row = 1 + (0 if speculative is None else speculative.num_speculative_tokens)
+            self._token_buffers = [torch.empty(max_num_seqs * per_row, dtype=torch.int64,
+                                               pin_memory=True) for _ in range(2)]
         self._clock0 = time.perf_counter()
 
     @property

@@ -138,6 +138,9 @@ class StepLoop:
                 self._complete(launched)
             except BaseException:  # noqa: BLE001 (the step failed too: undo it instead)
                 self.scheduler.abort_step(launched.step)
+        # a step that failed after its launch (reading or updating its tokens) is still in
+        # flight: undo it, or aborting its requests would fail and hide the first error
+        self.scheduler.abort_steps_in_flight()
         for rid in list(self._live):
             if not self._live[rid].request.finished:
                 self.scheduler.abort_request(rid)

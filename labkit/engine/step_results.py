@@ -86,6 +86,12 @@ class StepResults:
             return status
         return None
 
+    def abort_steps_in_flight(self) -> None:
+        """Undo every step still in flight, newest first (``abort_step``): what an engine does
+        after a failure it cannot finish from, so that its requests can then be aborted."""
+        while self._in_flight:
+            self.abort_step(self._in_flight[-1])
+
     def abort_step(self, step: ScheduledStep) -> None:
         """Undo a step that failed before its KV was written (the runner raised): its requests
         go back to the waiting queue as if preempted, the tokens it was to sample are dropped,

@@ -17,7 +17,7 @@ def absorption_check(attention, tokens: int = 7, seed: int = 0) -> dict:
     decompressed: per head k = [W_UK c_kv ; k_pe], v = W_UV c_kv, then softmax(q.k) v;
     absorbed: q_latent = W_UK^T q_nope, softmax(q_latent.c_kv + q_pe.k_pe) c_kv, then W_UV.
     Returns the largest difference of the scores and of the outputs, and the tensors' shapes."""
-    w_uk, w_uv = (w.detach().double() for w in attention.up_projections())
+    w_uk, w_uv = (w.detach().double().cpu() for w in attention.up_projections())  # algebra: CPU
     heads, nope, rank = w_uk.shape
     rope = attention.config.qk_rope_head_dim
     g = torch.Generator().manual_seed(seed)
