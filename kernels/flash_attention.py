@@ -66,12 +66,16 @@ def _configs():
     ]
 
 
-def _fits_in_shared_memory(configs, named_args, **kwargs):
-    """The Q tile and a K and a V tile per pipeline stage must fit in the 227 KB of shared
-    memory a Hopper block may have (the autotuner drops a config the GPU refuses anyway)."""
+def fits_in_shared_memory(configs, named_args, **kwargs):
+    """The Q tile and a K and a V tile per pipeline stage, at the inputs' element size, must fit
+    in the 227 KB of shared memory a Hopper block may have. A config the GPU would refuse is
+    dropped before it is compiled: float32 tiles are twice bf16's, and compiling configs only
+    to have them refused costs seconds each."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
-    fits = [c for c in configs if 2 * head_dim * (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"]
-                                                  * max(c.num_stages, 1)) <= 227 * 1024]
+    q = named_args.get("Q")
+    element = q.element_size() if hasattr(q, "element_size") else 2
+    fits = [c for c in configs if element * head_dim * (
+        c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"] * max(c.num_stages, 1)) <= 227 * 1024]
     return fits or configs[-1:]
 
 
@@ -118,7 +122,7 @@ def attend_range(acc, l_i, m_i, q, K, V, Kd, Vd, kv_col, k_row0, stride_kt, stri
 
 
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "CAUSAL", "WINDOW", "TMA"],
-                 prune_configs_by={"early_config_prune": _fits_in_shared_memory})
+                 prune_configs_by={"early_config_prune": fits_in_shared_memory})
 @triton.jit
 def flash_fwd_kernel(Q, K, V, Qd, Kd, Vd, Out, cu_seqlens_q, cu_seqlens_k,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

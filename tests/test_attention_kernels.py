@@ -306,3 +306,20 @@ def test_gpu_uniform_decode_replays_in_a_cuda_graph_with_new_inputs():
     torch.cuda.synchronize()
     err = rel_err(out, paged_attention_ref(q, k, v, table, cu, lens))
     assert err < 1e-2, f"seed {seed}: replayed decode relative error {err:.2e}"
+
+
+def test_flash_configs_that_would_not_fit_shared_memory_are_dropped_before_compiling():
+    """At head_dim 256 a float32 tile is twice bf16's: the configs the GPU would refuse go
+    before the autotuner compiles them, and bf16 keeps every config that fits."""
+    import triton
+    from labkit.kernels.flash_attention import fits_in_shared_memory
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+               for m, n, w, st in ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3),
+                                   (64, 32, 4, 2))]
+    shapes = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.empty(1, 1, 256, dtype=dtype)
+        kept = fits_in_shared_memory(configs, {"Q": q, "HEAD_DIM": 256})
+        shapes[dtype] = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept]
+    assert shapes[torch.float32] == [(64, 32)]
+    assert shapes[torch.bfloat16] == [(64, 64), (64, 32)]
