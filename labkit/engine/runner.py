@@ -6,6 +6,9 @@ For each step it
    (``labkit.engine.device_metadata``);
 3. runs the model with an attention function that, in every layer, first stores the step's
    new K/V into their slots and then attends over the cache (``labkit.engine.step_attention``);
+   where the store is already part of the forward (piecewise graphs on a GPU, whose pieces
+   store; ``compile=True``, whose ``labkit::store_kv`` op sits inside each compiled piece), the
+   attention function only attends;
 4. returns the logits of the rows that sample (``logits_indices``), nothing else.
 
 ``cudagraph_mode`` says which steps replay CUDA Graphs (``labkit.engine.cudagraphs``: the four

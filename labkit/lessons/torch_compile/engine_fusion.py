@@ -7,7 +7,8 @@ RMSNorms, RoPE, SiLU-times-up, residual adds, casts). Three ways to run them:
 * **hand-fused Triton**: labkit's three layer kernels, written by hand (``fused_ops=True``,
   ``kernels/layer_ops.py``): residual add + RMSNorm, RoPE in place, SiLU-times-up;
 * **Inductor**: ``compile=True``: Dynamo traces the forward with attention as an opaque op, and
-  Inductor generates its own fused kernels for each piece between attentions.
+  Inductor generates its own fused kernels for each piece between attentions (the KV store is
+  an opaque op too, ``labkit::store_kv``, called from inside its piece).
 
 :func:`fusion_table` builds one engine per way on the same weights, counts the kernels one decode
 step launches (the profiler's census, named by what each kernel does), times a decode step at
