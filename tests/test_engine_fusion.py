@@ -17,7 +17,8 @@ NAMES = {
            "store_kv_kernel", "paged_attention_kernel", "_silu_mul_kernel",
            "void at::native::index_elementwise_kernel<128, 4>"],
     IND: ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0",
-          "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "triton_poi_fused_cat_mul_1",
+          "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "triton_poi_fused_cat_mul_neg_1",
+          "triton_poi_fused_cat_mul_neg_3",
           "paged_attention_kernel", "triton_poi_fused_mul_silu_2"],
 }
 
@@ -46,6 +47,7 @@ def test_kernels_are_named_by_what_they_do():
     counts = ef.census_table(NAMES)
     assert counts.loc["torch op", EAGER] == 6 and counts.loc["torch op", IND] == 0
     assert counts.sum().to_dict() == {k: len(v) for k, v in NAMES.items()}
+    assert counts.loc["torch op", HAND] == 1
 
 
 def test_the_census_claims_hold_and_fail_on_each_perturbation():
@@ -55,6 +57,9 @@ def test_the_census_claims_hold_and_fail_on_each_perturbation():
     assert not ef.census_claims(more)[0].held, "more launches than plain ops"
     no_inductor = dict(NAMES, **{IND: NAMES[IND][1:2] + ["void at::native::x"] * 2})
     assert not ef.census_claims(no_inductor)[1].held
+    assert ef.rope_launches(NAMES[HAND]) == 1 and ef.rope_launches(NAMES[IND]) == 2
+    one_rotation = dict(NAMES, **{IND: [n for n in NAMES[IND] if not n.endswith("neg_3")]})
+    assert not ef.census_claims(one_rotation)[2].held, "as many rotations as labkit's"
 
 
 def test_the_step_claims_hold_only_where_every_round_agrees():

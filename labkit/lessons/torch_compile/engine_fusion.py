@@ -144,7 +144,23 @@ def census_claims(names: dict, recorded=None) -> list:
         len(fused_by_inductor) > 0 and left[ind] < left[hand], n=len(fused_by_inductor),
         ops="; ".join(fused_by_inductor[:4]) + ("; ..." if len(fused_by_inductor) > 4 else ""),
         lh=left[hand], li=left[ind], recorded=recorded))
+    rope = {v: rope_launches(names[v]) for v in (hand, ind)}
+    made.append(claim(
+        "The reverse: labkit's RoPE kernel rotates a layer's q and k heads in one launch ({h} a "
+        "step), where Inductor's generated rotation takes {i}: it fuses the ops as the model "
+        "writes them, rotate-half once for q and once for k.",
+        0 < rope[hand] < rope[ind], h=rope[hand], i=rope[ind], recorded=recorded))
     return made
+
+
+def rope_launches(names: list[str]) -> int:
+    """Kernels of a step that rotate by RoPE: labkit's own, or Inductor's fused rotate-half
+    (a ``cat`` of a negated half, with a multiply: how the plain op is written)."""
+    def rotates(name: str) -> bool:
+        ops = kernel_family(name)
+        return ops == "hand-fused: RoPE" or (ops.startswith("Inductor") and "neg" in ops
+                                              and "cat" in ops and "mul" in ops)
+    return sum(rotates(n) for n in names)
 
 
 def step_claims(table: pd.DataFrame, recorded=None) -> list:
