@@ -128,7 +128,7 @@ def _dense(inputs, top: int):
     return tuple(x[:top] for x in inputs)
 
 
-def decode_inputs(llm: LLM, batch: int, context_len: int) -> tuple[torch.Tensor, ...]:
+def decode_step_inputs(llm: LLM, batch: int, context_len: int) -> tuple[torch.Tensor, ...]:
     """``runner.decode_forward``'s inputs for ``batch`` rows of ``context_len`` tokens of
     context each (all rows reading the same blocks), for timing: every slot is PAD, so a step
     reads the cache and writes nothing."""
@@ -160,7 +160,7 @@ def decode_step_times(llm: LLM, batches, context_len: int, repeats: int = 10,
     from labkit.measure.rounds import interleaved
 
     r, dev = llm.runner, llm.device
-    inputs = decode_inputs(llm, max(batches), context_len)
+    inputs = decode_step_inputs(llm, max(batches), context_len)
     pool = None
     if dev.type == "cuda" and r.backend.cuda_graphs != "never":
         pool = GraphPool(r.decode_forward, batches, pad_value=PAD)

@@ -66,9 +66,9 @@ def census(names: list[str]) -> pd.Series:
 def step_kernels(llm, context_len: int, device) -> list[str]:
     """The GPU kernels of one batch-1 decode step of ``llm`` (eager: the graphs replay the same
     kernels), in launch order."""
-    from labkit.lessons.putting_it_together.padding import decode_inputs
+    from labkit.lessons.putting_it_together.padding import decode_step_inputs
     from labkit.measure.profile import trace
-    args = decode_inputs(llm, 1, context_len)
+    args = decode_step_inputs(llm, 1, context_len)
     with torch.inference_mode():
         t = trace(lambda: llm.runner.decode_forward(*args), device=device, warmup=1)
     ev = t.events
