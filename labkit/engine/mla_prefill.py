@@ -163,11 +163,12 @@ def latent_step_attention(layers, latent_cache, store, mla, block_tables: torch.
     def attention(layer, q, latent, v=None, out=None):
         store(layer, latent[:, 0])
         attn, cache = layers(layer), latent_cache(layer)
+        if groups is None:  # a decode step: the result is the output, copied only into a given one
+            result = absorbed_attention(attn, mla, q, cache, block_tables, cu_seqlens_q,
+                                        seq_lens, max_query_len)
+            return result if out is None else out.copy_(result)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], attn.config.v_head_dim)
-        if groups is None:
-            return out.copy_(absorbed_attention(attn, mla, q, cache, block_tables, cu_seqlens_q,
-                                                seq_lens, max_query_len))
         absorbed, decompressed, (slots, cu_k) = groups
         if absorbed is not None:
             rows, seqs = absorbed.rows, absorbed.seqs
