@@ -135,7 +135,7 @@ def test_on_a_gpu_the_flush_is_not_timed_but_does_evict():
     for _ in range(20):
         for cold in (False, True):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(50_000)
+            torch.cuda._sleep(1_000_000)  # ~0.5 ms: longer than the host takes to queue the rest
             x.sum()
             if cold:
                 flush()

@@ -56,8 +56,8 @@ def _engine(model, k: int | None, acceptance: float = 1.0, method: str = "contro
 
 
 def decode_span(llm: LLM, prompts, max_tokens: int) -> dict:
-    """Generate greedily; the steps after the last prefill: their count, median step time, the
-    span's seconds, the tokens emitted in it and how many steps ran each way (``graphs``:
+    """Generate greedily; the steps after the last prefill: their count, median step time (over
+    the steps that replayed a full graph where any did, else over all), the span's seconds, the tokens emitted in it and how many steps ran each way (``graphs``:
     ``StepRecord.graph``, e.g. "full verify")."""
     first = len(llm.step_history)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
@@ -68,11 +68,16 @@ def decode_span(llm: LLM, prompts, max_tokens: int) -> dict:
         raise ValueError("the run had no decode step after its prefills: raise max_tokens")
     emitted = sum(len(o.token_ids) for o in outs) - len(prompts)  # one token each from prefill
     span = decode[-1].end_s - decode[0].start_s
-    return {"steps": len(decode), "step_ms": 1e3 * statistics.median(s.duration_s for s in decode),
+    graphs = Counter(s.graph for s in decode)
+    # The step time is a full graph's replay wherever one replayed: the run's last steps, with
+    # drafts cut short by max_tokens, take piecewise graphs and would mix two kinds of step.
+    full = [s for s in decode if s.graph in ("full", "full verify")] or decode
+    return {"steps": len(decode), "step_ms": 1e3 * statistics.median(s.duration_s for s in full),
+            "timed_steps": len(full),
             "span_s": span, "tokens_per_s": emitted / span, "emitted": emitted,
             "tokens": [o.token_ids for o in outs],
             "proposed": sum(s.stats.num_spec_proposed for s in decode),
-            "graphs": Counter(s.graph for s in decode)}
+            "graphs": graphs}
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -301,15 +306,16 @@ def cost_claim(costs: pd.DataFrame, where: str):
 
 
 def graph_claim(costs: pd.DataFrame, gpu: bool, where: str):
-    """Which steps the cost comparison timed: on a GPU, more than half of each cell's decode and
-    verify steps replayed a full graph, so each median step is a replay; on a CPU none did."""
+    """Which steps the cost comparison timed: on a GPU, every cell's medians are over steps that
+    replayed a full graph (and there were some); on a CPU none did."""
     verify, decode = costs.full_verify_share, costs.full_decode_share
     if gpu:
-        return claim("{vlo:.0%}-{vhi:.0%} of the timed verify steps (by cell) replayed a full CUDA "
+        return claim("{vlo:.0%}-{vhi:.0%} of the verify steps (by cell) replayed a full CUDA "
                      "Graph captured for their request bucket and k + 1 tokens a request, and "
-                     "{dlo:.0%}-{dhi:.0%} of the decode steps a full decode graph {where}: more "
-                     "than half in every cell, so each median above is a graph replay against a "
-                     "graph replay.", verify.min() > 0.5 and decode.min() > 0.5,
+                     "{dlo:.0%}-{dhi:.0%} of the decode steps a full decode graph {where}; each "
+                     "median above is over those replays alone, a graph replay against a graph "
+                     "replay (the rest, where drafts came up short near a request's end, ran "
+                     "piecewise graphs).", verify.min() > 0 and decode.min() > 0,
                      vlo=verify.min(), vhi=verify.max(), dlo=decode.min(), dhi=decode.max(),
                      where=where)
     return claim("{v:.0%} of the timed verify steps and {d:.0%} of the decode steps replayed a "
@@ -318,10 +324,14 @@ def graph_claim(costs: pd.DataFrame, gpu: bool, where: str):
                  d=decode.max(), where=where)
 
 
-def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str) -> list:
+def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str, exact: bool = True) -> list:
+    """The best speed-up, its agreement with the prediction and, where the model computes
+    in float32 (``exact``), outputs equal to plain decoding's. In bf16 a verify step's kernels
+    round differently from a decode step's, so near ties among random weights may go the other
+    way and no equality is claimed."""
     best = speed.loc[speed.speedup.idxmax()]
     off = ((speed.speedup / speed.predicted) - 1).abs()
-    return [
+    claims = [
         claim("With the controlled draft at acceptance {a} and k = {k}, batch-1 output tokens/s "
               "were {lo:.2f}-{hi:.2f}x plain decoding {where} (the upper bound for a draft of "
               "that acceptance: this draft costs nothing).", best.low > 1, a=best.acceptance,
@@ -329,9 +339,11 @@ def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str) -> list:
         claim("Every measured speed-up is within {tol:.0%} of expected tokens per step over the "
               "measured relative step cost (largest gap {off:.0%}).", off.max() <= tolerance,
               tol=tolerance, off=off.max()),
-        claim("Greedy outputs with speculation equal plain decoding's in all {n} settings.",
-              bool(speed.same_tokens.all()), n=len(speed)),
     ]
+    if exact:
+        claims.append(claim("Greedy outputs with speculation equal plain decoding's in all {n} "
+                            "settings.", bool(speed.same_tokens.all()), n=len(speed)))
+    return claims
 
 
 def ngram_claim(table: pd.DataFrame):
