@@ -59,8 +59,13 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
                           device="cpu")
     assert list(zip(costs.batch, costs.k)) == [(1, 1), (1, 4), (4, 1), (4, 4)]
     assert (costs.low <= costs.relative_cost).all() and (costs.relative_cost <= costs.high).all()
-    speed = sp.speedups(model, accepts=(1.0,), ks=(4,), max_tokens=24, rounds=2, device="cpu")
+    speed = sp.speedups(model, accepts=(1.0,), ks=(4,), max_tokens=24, rounds=2, device="cpu",
+                        versus_async=True)
     assert speed.same_tokens.all() and speed.tokens_per_forward.iloc[0] > 4
+    assert (speed.versus_async_low <= speed.versus_async).all() and \
+        (speed.versus_async <= speed.versus_async_high).all()
+    assert "versus_async" not in sp.speedups(model, accepts=(1.0,), ks=(2,), max_tokens=8,
+                                            rounds=1, device="cpu"), "off by default on a CPU"
     assert (costs.full_decode_share == 0).all() and (costs.full_verify_share == 0).all(), \
         "a CPU engine replays no full graph"
     assert sp.graph_claim(costs, gpu=False, where="here").held
@@ -86,6 +91,11 @@ def test_claims_fail_on_figures_that_contradict_them():
                           "high": [2.1], "predicted": [2.6], "same_tokens": [True]})
     held = [c.held for c in sp.speedup_claims(speed, 0.15, "here")]
     assert held == [True, False, True], "2.0 against a predicted 2.6 is 23% off"
+    # against an async plain loop the speed-up can only shrink: a larger one contradicts it
+    fast = speed.assign(versus_async=[1.5], versus_async_low=[1.4], versus_async_high=[1.6])
+    assert [c.held for c in sp.speedup_claims(fast, 0.15, "here")] == [True, False, True, True]
+    faster = fast.assign(versus_async=[2.05])
+    assert [c.held for c in sp.speedup_claims(faster, 0.15, "here")][2] is False
     # in bf16 outputs may differ at near ties: no equality claim is made, held or not
     bf16 = sp.speedup_claims(speed.assign(same_tokens=[False]), 0.15, "here", exact=False)
     assert [c.held for c in bf16] == [True, False]
@@ -130,3 +140,14 @@ def test_a_random_draft_model_proposes_and_outputs_stay_plain(model):
     assert result["proposed"] > 0 and result["accepted"] <= result["proposed"]
     assert result["same_tokens"] and sp.draft_claim(result).held
     assert not sp.draft_claim({**result, "same_tokens": False}).held
+
+
+def test_plain_engines_run_the_speculating_engines_loop(monkeypatch):
+    # a speculating engine runs without async scheduling; the plain engine it is timed against
+    # must too (on a GPU the plain default is async), unless async is what is asked for
+    seen = []
+    monkeypatch.setattr(sp, "_engine", lambda model, k, **kw: seen.append((k, kw)))
+    sp._plain("m", 4)
+    sp._plain("m", 4, async_scheduling=True)
+    assert seen == [(None, {"max_num_seqs": 4, "async_scheduling": False}),
+                    (None, {"max_num_seqs": 4, "async_scheduling": True})]
