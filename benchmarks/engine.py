@@ -269,11 +269,14 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
     tokens: dict[str, list] = {}
     rng = random.Random(cfg.seed)
     with tempfile.TemporaryDirectory(prefix="labkit_bench_") as tmp:
+        began = time.perf_counter()
         peer = None if "transformers" not in chosen else _attempt(
             "transformers", lambda: (save_weights(model, tmp), TransformersPeer(
                 tmp, prompts, olens, device=device, dtype=cfg.torch_dtype,
                 batch_size=cfg.hf_batch_size,
                 compile_forward=device.type == "cuda" and not cfg.quick))[1], errors)
+        if "transformers" in chosen:  # a long setup on a GPU: loading, then compiling
+            print(f"  transformers set up in {time.perf_counter() - began:.1f} s", flush=True)
         runs = dict(labkit_runs, transformers=peer.run if peer is not None else None)
         try:
             for r in range(cfg.rounds):
@@ -281,7 +284,11 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
                     if runs[name] is None or name in errors:
                         passes[name].append(None)
                         continue
+                    began = time.perf_counter()
                     out = _attempt(name, runs[name], errors)
+                    print(f"  round {r + 1}/{cfg.rounds}: {name} "
+                          f"{'failed' if not out else 'ran'} in "
+                          f"{time.perf_counter() - began:.1f} s", flush=True)
                     passes[name].append(out[0] if out else None)
                     if out and r == 0:
                         tokens[name] = out[1]
