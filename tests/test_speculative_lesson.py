@@ -68,6 +68,7 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
                                             rounds=1, device="cpu"), "off by default on a CPU"
     assert (costs.full_decode_share == 0).all() and (costs.full_verify_share == 0).all(), \
         "a CPU engine replays no full graph"
+    assert "gpu_relative_cost" not in costs, "a CPU has no device clock"
     assert sp.graph_claim(costs, gpu=False, where="here").held
     assert speed.predicted.iloc[0] == pytest.approx(
         expected_tokens_per_step(1.0, 4) / speed.relative_cost.iloc[0])
@@ -104,6 +105,7 @@ def test_claims_fail_on_figures_that_contradict_them():
 def test_decode_span_times_full_graph_replays_where_any_replayed():
     def step(graph, ms, t):
         return SimpleNamespace(graph=graph, duration_s=ms / 1e3, start_s=t, end_s=t + ms / 1e3,
+                               device_s=ms / 2e3,  # half its wall time on the device
                                stats=SimpleNamespace(num_prefill_tokens=0, num_spec_proposed=4))
 
     class Fake:
@@ -121,9 +123,20 @@ def test_decode_span_times_full_graph_replays_where_any_replayed():
     run = sp.decode_span(Fake([("full verify", 1.0), ("full verify", 1.0), ("piecewise", 5.0),
                                ("piecewise", 5.0)]), [[1]], max_tokens=11)
     assert run["step_ms"] == pytest.approx(1.0) and run["timed_steps"] == 2
+    assert run["device_ms"] == pytest.approx(0.5), "the device time of the same steps"
     assert run["graphs"] == {"full verify": 2, "piecewise": 2}
     run = sp.decode_span(Fake([("eager", 2.0), ("eager", 3.0), ("eager", 4.0)]), [[1]], 11)
     assert run["step_ms"] == pytest.approx(3.0) and run["timed_steps"] == 3, "none replayed: all"
+
+
+def test_the_gpu_cost_claim_reads_batch_one_k_four_on_the_gpus_clock():
+    costs = pd.DataFrame({"batch": [1, 1, 8], "k": [2, 4, 4], "low": [0.9, 1.0, 1.1],
+                          "high": [1.0, 1.1, 1.3], "decode_gpu_ms": [1.1, 1.1, 1.2],
+                          "verify_gpu_ms": [1.2, 1.3, 1.9], "gpu_low": [1.0, 1.1, 1.5],
+                          "gpu_high": [1.1, 1.25, 1.7]})
+    c = sp.gpu_cost_claim(costs, "here")
+    assert c.held and "1.10-1.25x" in c.text and "1.00-1.10x" in c.text
+    assert not sp.gpu_cost_claim(costs.assign(gpu_high=[1.1, 2.2, 1.7]), "here").held
 
 
 def test_the_graph_claim_needs_replays_in_every_cell_on_a_gpu():

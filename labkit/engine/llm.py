@@ -67,6 +67,11 @@ class LLM(StepLoop):
     compiled (``labkit.engine.compiled``: traced by Dynamo, split at attention, each piece
     compiled by Inductor for a symbolic token count), the plain ops fused by Inductor; its
     pieces are captured as ``cudagraph_mode`` says (on CPU piecewise replays re-run them).
+    ``device_step_times=True`` (CUDA only) gives each step's record its time on the device
+    (``StepRecord.device_s``): CUDA events before its launches and after its sampling, in
+    stream order. For a replayed step that is the GPU's time; for an eager one it also counts
+    the GPU waiting for the host's launches. Where a step's wall time is host time, it says
+    what the GPU needed.
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,
@@ -80,7 +85,8 @@ class LLM(StepLoop):
                  fused_ops: bool | None = None, cudagraph_mode: str | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
                  decode_context_buckets: Sequence[int] | None = None, compile: bool = False,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None,
+                 device_step_times: bool = False):
         # The engine's own arguments first, by the names given here: a bad one must not surface
         # later as a derived quantity (num_blocks) the caller never passed.
         check_positive_int("max_num_seqs", max_num_seqs, hint="running requests at once")
@@ -157,6 +163,7 @@ class LLM(StepLoop):
             self._token_buffers = [torch.empty(max_num_seqs * per_row, dtype=torch.int64,
                                                pin_memory=True) for _ in range(2)]
         self._clock0 = time.perf_counter()
+        self.device_step_times = bool(device_step_times) and self.device.type == "cuda"
 
     @property
     def backend(self) -> str:
@@ -329,10 +336,12 @@ class LLM(StepLoop):
             num_spec_verifies=self.scheduler.spec_stats.num_verifies)
 
     def history_table(self):
-        """One row per step: the scheduler's statistics, graph or eager, and its time."""
+        """One row per step: the scheduler's statistics, graph or eager, and its time (and its
+        device time with ``device_step_times``)."""
         import pandas as pd
 
         return pd.DataFrame([{**asdict(r.stats), "graph": r.graph, "graph_batch": r.graph_batch,
                               "graph_tokens": r.graph_tokens, "padded_tokens": r.padded_tokens,
-                              "start_ms": r.start_s * 1e3, "duration_ms": r.duration_s * 1e3}
+                              "start_ms": r.start_s * 1e3, "duration_ms": r.duration_s * 1e3,
+                              "device_ms": None if r.device_s is None else r.device_s * 1e3}
                              for r in self.step_history])

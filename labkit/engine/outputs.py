@@ -63,6 +63,7 @@ class StepRecord:
     end_s: float                     # after the device finished the step and its sampling
     graph_tokens: int | None = None  # the token bucket piecewise graphs replayed at
     graph_query_len: int | None = None  # a full verify graph's tokens per row (k + 1)
+    device_s: float | None = None    # LLM(device_step_times=True): its time on the device
 
     @property
     def graph(self) -> str:

@@ -52,6 +52,7 @@ class LaunchedStep:
     start_s: float
     graph_tokens: int | None = None
     graph_query_len: int | None = None
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # device_step_times
 
 
 class StepLoop:
@@ -90,6 +91,10 @@ class StepLoop:
         start = self._now(sync=not self.async_scheduling)
         rows = [self._live[r.request_id] for r in step.rows if r.needs_logits]
         every = [self._live[r.request_id] for r in step.rows]
+        events = None
+        if self.device_step_times:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         try:
             out = self.runner.execute(step, self.block_manager,
                                       None if prev is None else prev.tokens)
@@ -97,6 +102,8 @@ class StepLoop:
             # request, the rejection rule's outcome for a sampled one
             tokens = sample_with_drafts(out.logits, step.rows, [e.params for e in every],
                                         [e.generator for e in every])
+            if events is not None:
+                events[1].record()
         except BaseException:
             self.scheduler.abort_step(step)
             raise
@@ -105,7 +112,7 @@ class StepLoop:
             buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
             host = start_copy_to_host(tokens, buf[:tokens.numel()])
         return LaunchedStep(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens,
-                            out.graph_query_len)
+                            out.graph_query_len, events)
 
     def _complete(self, done: LaunchedStep) -> list[RequestOutput]:
         sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
@@ -117,8 +124,13 @@ class StepLoop:
             if keep:  # a verify row may emit several tokens at once
                 new = len(entry.request.output_token_ids) - n
                 entry.token_times_s += [end - entry.arrival_s] * new
+        device_s = None
+        if done.events is not None:  # the samples were read, so the end mark has passed
+            done.events[1].synchronize()
+            device_s = done.events[0].elapsed_time(done.events[1]) / 1e3
         self.step_history.append(StepRecord(done.step.stats, done.graph_batch, done.start_s,
-                                            end, done.graph_tokens, done.graph_query_len))
+                                            end, done.graph_tokens, done.graph_query_len,
+                                            device_s))
         return [self._output(self._live.pop(r.request_id)) for r in finished]
 
     @property
