@@ -44,10 +44,9 @@ def _engine(model, k: int | None, acceptance: float = 1.0, method: str = "contro
             **options) -> LLM:
     """An engine with speculation of ``k`` drafts (None: plain decoding), prefix caching off so
     a repeated prompt is computed again, each step's device time recorded on a GPU, warmed up
-    by one short request. ``max_model_len``
-    defaults to 256, the longest request here, so that several engines' KV caches and graphs
-    fit side by side on a GPU (each would otherwise size its cache for the model's full
-    context)."""
+    by one short request. ``max_model_len`` defaults to 256, the longest request here, so that
+    several engines' KV caches and graphs fit side by side on a GPU (each would otherwise size
+    its cache for the model's full context)."""
     spec = None if k is None else SpeculativeConfig(method, num_speculative_tokens=k,
                                                     acceptance=acceptance)
     llm = LLM(model, speculative=spec, enable_prefix_caching=False,
@@ -59,8 +58,9 @@ def _engine(model, k: int | None, acceptance: float = 1.0, method: str = "contro
 def decode_span(llm: LLM, prompts, max_tokens: int) -> dict:
     """Generate greedily; the steps after the last prefill: their count, median step time (over
     the steps that replayed a full graph where any did, else over all) and median device time
-    of the same steps (None unless the engine records it), the span's seconds, the tokens emitted in it and how many steps ran each way (``graphs``:
-    ``StepRecord.graph``, e.g. "full verify")."""
+    of the same steps (None unless the engine records it), the span's seconds, the tokens
+    emitted in it and how many steps ran each way (``graphs``: ``StepRecord.graph``, e.g.
+    "full verify")."""
     first = len(llm.step_history)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
     steps = llm.step_history[first:]
@@ -392,8 +392,9 @@ def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str, exact: boo
     off = ((speed.speedup / speed.predicted) - 1).abs()
     claims = [
         claim("With the controlled draft at acceptance {a} and k = {k}, batch-1 output tokens/s "
-              "were {lo:.2f}-{hi:.2f}x plain decoding {where} (the upper bound for a draft of "
-              "that acceptance: this draft costs nothing).", best.low > 1, a=best.acceptance,
+              "were {lo:.2f}-{hi:.2f}x plain decoding on the same loop {where} (the upper "
+              "bound for a draft of that acceptance: this draft costs nothing).", best.low > 1,
+              a=best.acceptance,
               k=int(best.k), lo=best.low, hi=best.high, where=where),
         claim("Every measured speed-up is within {tol:.0%} of expected tokens per step over the "
               "measured relative step cost (largest gap {off:.0%}).", off.max() <= tolerance,
