@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.engine import random_model
 from labkit.lessons import mla
+from labkit.lessons.mla import cache_bytes
 from labkit.lessons.paged_kv_cache.attention_memory import DEEPSEEK_V3, GIB
 from labkit.teaching import reset_claims
 
@@ -211,3 +212,13 @@ def test_a_range_reads_as_one_share_when_its_ends_round_alike():
     from labkit.lessons.mla.decode import share_span
     assert share_span(0.571, 0.574) == "57%"
     assert share_span(0.56, 0.58) == "56%-58%"
+
+
+def test_the_decode_flops_formula_is_what_torch_counts_in_the_reference(monkeypatch):
+    c = mla.counted_flops_claim(heads=4, context=37, rank=32, rope=8)
+    assert c.held and "2 x heads x (k + v)" in c.text
+    assert c.values["c"] == c.values["f"] == 2 * 4 * 37 * ((32 + 8) + 32)
+    # a formula that forgot the value's multiply-adds disagrees with the counter
+    monkeypatch.setattr(cache_bytes, "mla_flops",
+                        lambda b, h, ctx, r, p: 2 * b * h * ctx * (r + p))
+    assert not mla.counted_flops_claim(heads=4, context=37, rank=32, rope=8).held

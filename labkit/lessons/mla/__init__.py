@@ -14,9 +14,9 @@ Four questions, each answered from values computed here:
    ``benchmarks/mla_decode.py`` and the ``mla/decode`` recording).
 """
 from labkit.lessons.mla.absorption import absorption_check, absorption_claims, decode_step_flops
-from labkit.lessons.mla.cache_bytes import (bytes_claims, decode_intensity, intensity_claim,
-                                            intensity_figure, mla_flops, per_byte_claim,
-                                            roof_us, scheme_table)
+from labkit.lessons.mla.cache_bytes import (bytes_claims, counted_flops_claim, decode_intensity,
+                                            intensity_claim, intensity_figure, mla_flops,
+                                            per_byte_claim, roof_us, scheme_table)
 from labkit.lessons.mla.decode import (decode_claims, decode_inputs, decode_table, gqa_decode,
                                        latent_decode, measure_decode, rate, replayed,
                                        roofline_figure, roofs, timed)
@@ -28,7 +28,7 @@ from labkit.lessons.paged_kv_cache.attention_memory import DEEPSEEK_V3
 
 __all__ = [
     "BLOCK", "DEEPSEEK_V3", "RANK", "ROPE", "SCALE", "absorption_check", "absorption_claims",
-    "bytes_claims", "decode_claims", "decode_inputs", "decode_intensity", "decode_step_flops",
+    "bytes_claims", "counted_flops_claim", "decode_claims", "decode_inputs", "decode_intensity", "decode_step_flops",
     "decode_table", "engine_claim", "engine_tokens", "gqa_decode", "intensity_claim",
     "intensity_figure", "kernel_check", "kernel_claim", "kernel_loop_source", "latent_decode",
     "measure_decode", "mla_flops", "per_byte_claim", "prefill_flops", "prefill_paths", "rate",

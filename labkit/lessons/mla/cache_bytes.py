@@ -3,6 +3,7 @@ does with it (notebook 10, sections 1 and 4)."""
 from __future__ import annotations
 
 import pandas as pd
+import torch
 
 from labkit import check_positive_int
 from labkit.lessons.mla.shapes import RANK, ROPE
@@ -59,6 +60,33 @@ def mla_flops(batch: int, heads: int, ctx: int, rank: int = RANK, rope: int = RO
     """FLOPs of one absorbed MLA decode call: per head and cached token a ``rank + rope`` dot
     for the score and a ``rank``-wide multiply-add into the output (softmax not counted)."""
     return 2 * batch * heads * ctx * ((rank + rope) + rank)
+
+
+def counted_flops_claim(heads: int = 16, context: int = 300, rank: int = RANK,
+                        rope: int = ROPE):
+    """The decode FLOPs formula, ``2 * heads * (k + v)`` per cached token (``mla_flops``),
+    against what torch's FLOP counter (``torch.utils.flop_counter``) counts in the float64
+    reference, ``paged_mla_attention_ref``, decoding one token over ``context`` cached ones."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.attention import paged_mla_attention_ref
+    from labkit.lessons.mla.shapes import BLOCK, SCALE
+
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-context // BLOCK)
+    cache = torch.randn(blocks, BLOCK, rank + rope, dtype=torch.float64, generator=g)
+    q_latent = torch.randn(1, heads, rank, dtype=torch.float64, generator=g)
+    q_rope = torch.randn(1, heads, rope, dtype=torch.float64, generator=g)
+    with FlopCounterMode(display=False) as counter:
+        paged_mla_attention_ref(q_latent, q_rope, cache,
+                                torch.arange(blocks, dtype=torch.int32)[None],
+                                torch.tensor([0, 1], dtype=torch.int32),
+                                torch.tensor([context], dtype=torch.int32), scale=SCALE)
+    counted, formula = counter.get_total_flops(), mla_flops(1, heads, context, rank, rope)
+    return claim("torch's FLOP counter counted {c:,} FLOPs in the reference's decode of one token "
+                 "over {ctx} cached ones with {h} heads; 2 x heads x (k + v) per cached token, "
+                 "with k = {k} and v = {v}, gives {f:,}.", counted == formula, c=counted,
+                 ctx=context, h=heads, k=rank + rope, v=rank, f=formula)
 
 
 def roof_us(nbytes: int, flops: int, copy_gbps: float, matmul_tflops: float) -> float:
