@@ -1,4 +1,4 @@
-"""Notebook 11's lesson code (labkit/lessons/speculative_decoding.py) on the tiny model: what it times is
+"""Notebook 11's lesson code (labkit/lessons/speculative_decoding/) on the tiny model: what it times is
 what it says (decode spans, full-length verifies), its tables agree with the engine's own
 statistics, and its claims fall on the right side of made-up figures."""
 from types import SimpleNamespace
@@ -9,6 +9,7 @@ import pytest
 from labkit.engine import ModelConfig, random_model
 from labkit.engine.speculative import expected_tokens_per_step
 from labkit.lessons import speculative_decoding as sp
+from labkit.lessons.speculative_decoding import measure
 from labkit.teaching import reset_claims
 
 
@@ -39,7 +40,7 @@ def test_tokens_per_step_groups_tokens_by_their_steps_time_stamp():
 
 
 def test_decode_span_counts_the_tokens_after_prefill(model):
-    llm = sp._engine(model, 2, acceptance=1.0, max_num_seqs=4, device="cpu")
+    llm = measure._engine(model, 2, acceptance=1.0, max_num_seqs=4, device="cpu")
     run = sp.decode_span(llm, sp.prompts_for(2, 8, 256), max_tokens=13)
     assert run["emitted"] == 2 * 12, "13 tokens each, the first from the prefill step"
     assert run["steps"] == 4, "12 tokens at 3 a verify step (every draft accepted)"
@@ -159,8 +160,8 @@ def test_plain_engines_run_the_speculating_engines_loop(monkeypatch):
     # a speculating engine runs without async scheduling; the plain engine it is timed against
     # must too (on a GPU the plain default is async), unless async is what is asked for
     seen = []
-    monkeypatch.setattr(sp, "_engine", lambda model, k, **kw: seen.append((k, kw)))
-    sp._plain("m", 4)
-    sp._plain("m", 4, async_scheduling=True)
+    monkeypatch.setattr(measure, "_engine", lambda model, k, **kw: seen.append((k, kw)))
+    measure._plain("m", 4)
+    measure._plain("m", 4, async_scheduling=True)
     assert seen == [(None, {"max_num_seqs": 4, "async_scheduling": False}),
                     (None, {"max_num_seqs": 4, "async_scheduling": True})]
