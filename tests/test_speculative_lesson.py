@@ -165,3 +165,10 @@ def test_plain_engines_run_the_speculating_engines_loop(monkeypatch):
     measure._plain("m", 4, async_scheduling=True)
     assert seen == [(None, {"max_num_seqs": 4, "async_scheduling": False}),
                     (None, {"max_num_seqs": 4, "async_scheduling": True})]
+
+
+def test_runs_in_turn_start_at_a_different_one_each_round_and_keep_their_order():
+    order = []
+    runs = [lambda i=i: order.append(i) or i * 10 for i in range(3)]
+    assert [measure._in_turn(runs, r) for r in range(4)] == [[0, 10, 20]] * 4
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]

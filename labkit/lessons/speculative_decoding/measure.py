@@ -77,16 +77,10 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[
     return torch.randint(1, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def _paired(first, second, r: int):
-    """Run two measurements back to back, in an order that alternates with the round ``r``, so
-    a slow spell of the machine lands on both sides of a ratio and neither side always goes
-    first."""
-    return _in_turn((first, second), r)
-
-
 def _in_turn(runs, r: int) -> list:
     """Run each of ``runs`` once, starting at a different one each round ``r`` (the results in
-    ``runs``' order), so no measurement always goes first."""
+    ``runs``' order), so a slow spell of the machine lands on every side of a ratio and no
+    measurement always goes first."""
     start = r % len(runs)
     results = {i: runs[i]() for i in [*range(start, len(runs)), *range(start)]}
     return [results[i] for i in range(len(runs))]
@@ -123,8 +117,8 @@ def step_costs(model, batches=(1, 8, 32), ks=(1, 2, 4, 8), prompt_len: int = 64,
     for r in range(rounds):
         for b, k in random.Random(r).sample(cells, len(cells)):
             prompts = prompts_for(b, prompt_len, vocab, seed=r)
-            plain, verify = _paired(lambda: decode_span(engines[None], prompts, max_tokens),
-                                    lambda: decode_span(engines[k], prompts, max_tokens), r)
+            plain, verify = _in_turn((lambda: decode_span(engines[None], prompts, max_tokens),
+                                      lambda: decode_span(engines[k], prompts, max_tokens)), r)
             ratios[(b, k)].append(verify["step_ms"] / plain["step_ms"])
             steps[(b, k)].append((plain["step_ms"], verify["step_ms"]))
             if plain["device_ms"] is not None and verify["device_ms"] is not None:
