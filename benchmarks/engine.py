@@ -174,19 +174,20 @@ def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=Fal
 
 # --- the run ---------------------------------------------------------------------------------
 
-def _attempt(name, fn, errors):
-    """One section's pass; a failure is kept (the first one per section) and the rest go on."""
+def _attempt(name, fn, errors, label: str | None = None):
+    """One section's pass (or set-up), printed with its seconds as it ends (``label``, default
+    ``name``), so a run cut short still shows where its time went; a failure is kept (the first
+    one per section) and the rest go on."""
+    began = time.perf_counter()
     try:
-        return fn()
+        out = fn()
     except Exception as exc:  # noqa: BLE001  (a failed section is reported; the rest go on)
-        print(f"  {name}: FAILED ({type(exc).__name__}: {str(exc)[:300]})")
+        print(f"  {label or name}: FAILED after {time.perf_counter() - began:.1f} s "
+              f"({type(exc).__name__}: {str(exc)[:300]})", flush=True)
         errors.setdefault(name, f"{type(exc).__name__}: {exc}")
         return None
-
-
-def _spread_dict(spread: Spread | None) -> dict | None:
-    return None if spread is None else {"median": spread.median, "low": spread.low,
-                                        "high": spread.high, "values": list(spread.values)}
+    print(f"  {label or name}: {time.perf_counter() - began:.1f} s", flush=True)
+    return out
 
 
 def _ratio(passes, a, b) -> Spread | None:
@@ -269,14 +270,12 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
     tokens: dict[str, list] = {}
     rng = random.Random(cfg.seed)
     with tempfile.TemporaryDirectory(prefix="labkit_bench_") as tmp:
-        began = time.perf_counter()
         peer = None if "transformers" not in chosen else _attempt(
             "transformers", lambda: (save_weights(model, tmp), TransformersPeer(
                 tmp, prompts, olens, device=device, dtype=cfg.torch_dtype,
                 batch_size=cfg.hf_batch_size,
-                compile_forward=device.type == "cuda" and not cfg.quick))[1], errors)
-        if "transformers" in chosen:  # a long setup on a GPU: loading, then compiling
-            print(f"  transformers set up in {time.perf_counter() - began:.1f} s", flush=True)
+                compile_forward=device.type == "cuda" and not cfg.quick))[1], errors,
+            "transformers set-up")
         runs = dict(labkit_runs, transformers=peer.run if peer is not None else None)
         try:
             for r in range(cfg.rounds):
@@ -284,11 +283,7 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
                     if runs[name] is None or name in errors:
                         passes[name].append(None)
                         continue
-                    began = time.perf_counter()
-                    out = _attempt(name, runs[name], errors)
-                    print(f"  round {r + 1}/{cfg.rounds}: {name} "
-                          f"{'failed' if not out else 'ran'} in "
-                          f"{time.perf_counter() - began:.1f} s", flush=True)
+                    out = _attempt(name, runs[name], errors, f"round {r + 1}/{cfg.rounds}: {name}")
                     passes[name].append(out[0] if out else None)
                     if out and r == 0:
                         tokens[name] = out[1]
@@ -302,7 +297,7 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
     spreads = {key: _ratio(passes, *pair) for key, pair in RATIOS.items()}
     for key, spread in spreads.items():
         results[key] = spread.median if spread is not None else None
-    results["ratios"] = {key: _spread_dict(s) for key, s in spreads.items()}
+    results["ratios"] = {key: None if s is None else s.as_dict() for key, s in spreads.items()}
     target = spreads["ratio_vs_transformers"]
     results["target"] = {"ratio_vs_transformers": TARGET_VS_TRANSFORMERS,
                          "met": bool(target is not None and target.above(TARGET_VS_TRANSFORMERS))}

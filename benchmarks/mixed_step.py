@@ -83,10 +83,6 @@ class MixedConfig:
         return -(-self.long_prompt // self.chunk)
 
 
-def _spread(s: Spread) -> dict:
-    return {"median": s.median, "low": s.low, "high": s.high, "values": list(s.values)}
-
-
 def make_engine(model, cfg: MixedConfig, mode: str, async_scheduling: bool) -> LLM:
     return LLM(model, enable_prefix_caching=False, enable_chunked_prefill=True,
                max_num_batched_tokens=cfg.chunk + cfg.num_decodes,
@@ -213,13 +209,13 @@ def run(cfg: MixedConfig | None = None, quick: bool = False) -> dict:
     rows = []
     for (mode, a), runs in per.items():
         wall = Spread.of([x["wall_ms"] for x in runs])
-        row = {"cudagraph_mode": mode, "async_scheduling": a, "wall_ms": _spread(wall),
+        row = {"cudagraph_mode": mode, "async_scheduling": a, "wall_ms": wall.as_dict(),
                "graph": runs[0]["graph"], "graph_tokens": runs[0]["graph_tokens"]}
         line = f"{mode:<20} async={str(a):<5} wall {wall:.2f} ms"
         if "gpu_ms" in runs[0]:
             gpu = Spread.of([x["gpu_ms"] for x in runs])
             ratio = Spread.of([x["ratio"] for x in runs])  # per round: the median chunk
-            row.update(gpu_ms=_spread(gpu), ratio=_spread(ratio), met=ratio.below(TARGET),
+            row.update(gpu_ms=gpu.as_dict(), ratio=ratio.as_dict(), met=ratio.below(TARGET),
                        kernels=runs[0]["kernels"],
                        profiled_busy_ms=[x["profiled_busy_ms"] for x in runs])
             line += (f"  GPU {gpu:.2f} ms  wall/GPU {ratio:.2f}x ("

@@ -1,5 +1,6 @@
 """Interleaved rounds: every case timed in every round, medians with ranges, targets on ranges."""
 import itertools
+import json
 import time
 
 import pytest
@@ -92,3 +93,9 @@ def test_flushed_rounds_time_the_work_not_the_flush(monkeypatch):
     r = interleaved(cases("a", "b"), rounds=3, device="cpu", warmup=0, repeats=2, flush_l2=True)
     assert all(t.l2_flushed for ts in r.timings.values() for t in ts)
     assert r.us("a").high < 5_000, "the flush was timed"
+
+
+def test_a_spread_as_plain_data_keeps_every_round():
+    s = Spread.of([1.5, 0.5, 1.0])
+    assert s.as_dict() == {"median": 1.0, "low": 0.5, "high": 1.5, "values": [1.5, 0.5, 1.0]}
+    json.dumps(s.as_dict())  # plain data: a result file takes it as it is

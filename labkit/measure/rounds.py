@@ -51,6 +51,11 @@ class Spread:
     def high(self) -> float:
         return max(self.values)
 
+    def as_dict(self) -> dict:
+        """As plain data for a JSON result: median, low, high and every round's value."""
+        return {"median": self.median, "low": self.low, "high": self.high,
+                "values": list(self.values)}
+
     @property
     def rounds(self) -> int:
         return len(self.values)
