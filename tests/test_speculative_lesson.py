@@ -77,18 +77,54 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
 
 def test_ngram_lookup_proposes_and_leaves_outputs_unchanged(model):
     table = sp.ngram_acceptance(model, k=3, batch=2, max_tokens=16, device="cpu")
+    assert list(table.index) == [("model", "repeating passage"), ("model", "plain random")]
     assert table.same_tokens.all() and (table.accepted <= table.proposed).all()
+    assert ((0 <= table.repeats) & (table.repeats <= 1)).all()
     assert sp.ngram_claim(table).held
     assert not sp.ngram_claim(table.assign(same_tokens=[True, False])).held
+
+
+def test_lookup_hits_counts_the_tokens_an_earlier_ngram_predicts():
+    # after [5, 6] lookup proposes 7, what followed them before (a hit); after [5, 6, 7] it
+    # proposes 1 where 9 came (a miss); 9 never came before, so nothing for the last token
+    assert sp.lookup_hits([5, 6, 7, 1, 5, 6], [7, 9, 2]) == 1
+    assert sp.lookup_hits([1, 2, 3], [4, 5]) == 0
+    assert sp.lookup_hits([3, 3], [3, 3, 3]) == 3
+    assert sp.lookup_hits([], []) == 0
+
+
+def test_lookup_models_adds_the_tiny_model_only_beside_another():
+    tiny = random_model(ModelConfig.tiny(), seed=0)
+    assert list(sp.lookup_models(tiny).values()) == [tiny]
+    wider = random_model(ModelConfig.tiny(num_hidden_layers=1), seed=0)
+    models = sp.lookup_models(wider)
+    assert len(models) == 2 and list(models.values())[0] is wider
+    assert list(models)[1].endswith(f"vocab {ModelConfig.tiny().vocab_size}")
+
+
+def test_ngram_claim_needs_acceptance_to_follow_repetition():
+    index = pd.MultiIndex.from_tuples([("a", "loops"), ("a", "plain")])
+    table = pd.DataFrame({"verifies": [10, 2], "proposed": [30, 4], "accepted": [18, 0],
+                          "acceptance": [0.6, 0.0], "tokens": [100, 100],
+                          "repeats": [0.5, 0.01], "same_tokens": [True, True]}, index=index)
+    assert sp.ngram_claim(table).held
+    assert "loops on a: 50%" in sp.ngram_claim(table).text
+    inverted = table.assign(acceptance=[0.2, 0.5], accepted=[6, 2])
+    assert not sp.ngram_claim(inverted).held, "less accepted where the output repeats more"
+    silent = table.assign(acceptance=[float("nan"), float("nan")], proposed=[0, 0],
+                          accepted=[0, 0])
+    assert not sp.ngram_claim(silent).held, "nothing proposed"
+    idle = table.assign(acceptance=[0.0, 0.0], accepted=[0, 0])
+    assert not sp.ngram_claim(idle).held, "half the tokens repeat and nothing was accepted"
 
 
 def test_claims_fail_on_figures_that_contradict_them():
     check = pd.DataFrame({"acceptance": [0.8], "k": [2], "verifies": [100],
                           "tokens_per_verify": [2.0], "expected": [2.44]})
     assert not sp.formula_claim(check).held  # 18% short of the formula
-    costs = pd.DataFrame({"batch": [1, 8], "k": [4, 4], "relative_cost": [1.1, 2.4],
-                          "low": [1.0, 2.3], "high": [1.2, 2.6]})
-    assert not sp.cost_claim(costs, "here").held  # a range reaching 2.6x at batch 8
+    costs = pd.DataFrame({"batch": [1, 8], "k": [4, 4], "relative_cost": [1.1, 3.4],
+                          "low": [1.0, 3.3], "high": [1.2, 3.6]})
+    assert not sp.cost_claim(costs, "here").held  # a range reaching 3.6x at batch 8
     speed = pd.DataFrame({"acceptance": [0.8], "k": [4], "speedup": [2.0], "low": [1.9],
                           "high": [2.1], "predicted": [2.6], "same_tokens": [True]})
     held = [c.held for c in sp.speedup_claims(speed, 0.15, "here")]

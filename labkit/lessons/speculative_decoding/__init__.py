@@ -9,8 +9,8 @@ Three questions, each answered from this run:
    bucket, k + 1) for verify; ``graph_claim``).
 3. Does the speed-up follow? ``speedups``: output tokens/s with the controlled draft against
    plain decoding, beside the formula divided by the measured relative step cost; and the n-gram
-   proposer's acceptance on a workload that repeats itself against one that does not
-   (``ngram_acceptance``).
+   proposer's acceptance on a workload that repeats itself against one that does not, beside
+   how much each output repeats (``ngram_acceptance``, ``lookup_hits``).
 
 The measurements are in ``measure``, the sentences made from them in ``claims``.
 """
@@ -20,6 +20,7 @@ from labkit.lessons.speculative_decoding.claims import (cost_claim, draft_claim,
 from labkit.lessons.speculative_decoding.measure import (MAX_MODEL_LEN, acceptance_check,
                                                          decode_span, draft_acceptance,
                                                          expected_table, full_verifies,
+                                                         lookup_hits, lookup_models,
                                                          ngram_acceptance, prompts_for,
                                                          repeating_prompts, speedups, step_costs,
                                                          tokens_per_step)
@@ -27,6 +28,6 @@ from labkit.lessons.speculative_decoding.measure import (MAX_MODEL_LEN, acceptan
 __all__ = [
     "MAX_MODEL_LEN", "acceptance_check", "cost_claim", "decode_span", "draft_acceptance",
     "draft_claim", "expected_table", "formula_claim", "full_verifies", "gpu_cost_claim",
-    "graph_claim", "ngram_acceptance", "ngram_claim", "prompts_for", "repeating_prompts",
-    "speedup_claims", "speedups", "step_costs", "tokens_per_step",
+    "graph_claim", "lookup_hits", "lookup_models", "ngram_acceptance", "ngram_claim",
+    "prompts_for", "repeating_prompts", "speedup_claims", "speedups", "step_costs", "tokens_per_step",
 ]

@@ -35,7 +35,7 @@ def cost_claim(costs: pd.DataFrame, where: str):
     return claim("A verify step of k = 4 (5 tokens per request) cost {lo:.2f}-{hi:.2f}x a "
                  "one-token decode step at batch {b} {where}, the worst batch size over the "
                  "rounds: far less than the 5x its tokens would cost if a step's time grew with "
-                 "its tokens.", worst.high < 2.5, lo=worst.low, hi=worst.high,
+                 "its tokens.", worst.high < 3.5, lo=worst.low, hi=worst.high,
                  b=int(worst.batch), where=where)
 
 
@@ -109,9 +109,25 @@ def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str, exact: boo
 
 
 def ngram_claim(table: pd.DataFrame):
-    """Lookup proposes on both workloads and never changes a greedy output."""
-    return claim("Prompt lookup proposed {p} draft tokens over {v} verify steps on the two "
-                 "workloads, the target accepted {a:.0%} of them, and every greedy output equals "
-                 "plain decoding's.", bool(table.same_tokens.all()) and table.proposed.sum() > 0,
-                 p=int(table.proposed.sum()), v=int(table.verifies.sum()),
-                 a=table.accepted.sum() / max(table.proposed.sum(), 1))
+    """Lookup's acceptance follows how much the output repeats itself (``repeats``), and lookup
+    never changes a greedy output. Rows are (model, workload); the most and least repetitive
+    rows are compared: where their repetition differs by a tenth of the tokens or more, the
+    first must accept at least the second's share, and it must accept some drafts if a tenth or
+    more of its tokens repeat."""
+    acceptance = table.acceptance.fillna(0.0)
+    hi = table.repeats.idxmax()
+    lo = table.repeats.drop(hi).idxmin() if len(table) > 1 else hi
+    apart = table.repeats[hi] - table.repeats[lo] >= 0.1  # repetition clearly differs
+
+    def name(row):
+        return " on ".join(reversed(row)) if isinstance(row, tuple) else str(row)
+    held = (bool(table.same_tokens.all()) and table.proposed.sum() > 0
+            and (not apart or acceptance[hi] >= acceptance[lo])
+            and (table.repeats[hi] < 0.1 or acceptance[hi] > 0))
+    return claim("Prompt lookup's acceptance follows how much the output repeats itself: where "
+                 "it repeats most ({hi}: {hr:.0%} of output tokens continue an earlier n-gram) "
+                 "the target accepted {ha:.0%} of {hp} drafts, where least ({lo}: {lr:.0%}) "
+                 "{la:.0%} of {lp}; every greedy output equals plain decoding's.", held,
+                 hi=name(hi), hr=table.repeats[hi], ha=acceptance[hi],
+                 hp=int(table.proposed[hi]), lo=name(lo), lr=table.repeats[lo],
+                 la=acceptance[lo], lp=int(table.proposed[lo]))

@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 
 from labkit import check_positive_int
-from labkit.engine import LLM, SamplingParams, SpeculativeConfig, random_model
-from labkit.engine.speculative import expected_tokens_per_step
+from labkit.engine import LLM, ModelConfig, SamplingParams, SpeculativeConfig, random_model
+from labkit.engine.speculative import NgramProposer, expected_tokens_per_step
 from labkit.measure.rounds import Spread
 
 MAX_MODEL_LEN = 256  # tokens: every prompt here plus its output fits
@@ -253,29 +253,69 @@ def _spec_counts(llm: LLM) -> tuple[int, int, int]:
     return s.num_spec_verifies, s.num_spec_proposed, s.num_spec_accepted
 
 
-def ngram_acceptance(model, k: int = 4, batch: int = 4, max_tokens: int = 24, **options
+def lookup_hits(prompt: list[int], output: list[int], min_n: int = 1, max_n: int = 3) -> int:
+    """How many output tokens prompt lookup would have guessed: at each output position, the
+    token that followed the latest earlier occurrence of the longest suffix n-gram (the
+    proposer's first draft token) equals the token the model produced. This bounds what lookup
+    can find in that text, whatever k is; the engine proposes once per verify step, not per
+    token, so its acceptance follows this share without equalling it."""
+    first = NgramProposer(min_n, max_n, 1)
+    tokens = list(prompt)
+    hits = 0
+    for token in output:
+        hits += first.propose(tokens) == [token]
+        tokens.append(token)
+    return hits
+
+
+def lookup_models(model) -> dict:
+    """The notebook's model, and beside it the tiny random model (256-token vocabulary) unless
+    that is the model already: random models differ in how soon they fall into loops, which is
+    all lookup can find in their output. Keys name each model's shape."""
+    def label(m):
+        c = m.config
+        return f"{c.num_hidden_layers} layers, width {c.hidden_size}, vocab {c.vocab_size}"
+    models = {label(model): model}
+    small = ModelConfig.tiny()
+    if model.config != small:
+        tiny = random_model(small, seed=0, device=next(model.parameters()).device)
+        models[label(tiny)] = tiny
+    return models
+
+
+def ngram_acceptance(models, k: int = 4, batch: int = 4, max_tokens: int = 48, **options
                      ) -> pd.DataFrame:
-    """The n-gram proposer on prompts that repeat a passage and on plain random prompts: drafts
-    proposed and accepted, and whether the outputs equal a plain engine's. On random weights the
-    model does not continue a quoted passage, but it falls into loops of its own, which lookup
-    finds: what this shows is the mechanism, not acceptance on real text."""
-    vocab = model.config.vocab_size
+    """The n-gram proposer on prompts that repeat a passage and on plain random prompts, for
+    each model (one model, or a dict of name -> model): drafts proposed and accepted, the share
+    of output tokens an earlier n-gram's continuation predicts (``repeats``, from
+    :func:`lookup_hits`), and whether the outputs equal a plain engine's. Random weights do not
+    continue a quoted passage; whether a random model falls into loops of its own depends on the
+    model, and ``repeats`` measures it: what this shows is the mechanism, not lookup's gain on
+    real text."""
+    if not isinstance(models, dict):
+        models = {"model": models}
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=k)
     rows = []
-    for name, prompts in (("repeating passage", repeating_prompts(batch, vocab)),
-                          ("plain random", prompts_for(batch, 60, vocab, seed=7))):
-        llm = _engine(model, k, method="ngram", max_num_seqs=batch, **options)
-        plain = _engine(model, None, max_num_seqs=batch, **options)
-        before = _spec_counts(llm)
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
-        expected = plain.generate(prompts, SamplingParams(max_tokens=max_tokens))
-        verifies, proposed, accepted = (a - b for a, b in zip(_spec_counts(llm), before))
-        rows.append({"workload": name, "verifies": verifies, "proposed": proposed,
-                     "accepted": accepted,
-                     "acceptance": accepted / proposed if proposed else float("nan"),
-                     "tokens": sum(len(o.token_ids) for o in outs),
-                     "same_tokens": [o.token_ids for o in outs] == [o.token_ids
-                                                                    for o in expected]})
-    return pd.DataFrame(rows).set_index("workload")
+    for label, model in models.items():
+        vocab = model.config.vocab_size
+        for name, prompts in (("repeating passage", repeating_prompts(batch, vocab)),
+                              ("plain random", prompts_for(batch, 60, vocab, seed=7))):
+            llm = _engine(model, k, method="ngram", max_num_seqs=batch, **options)
+            plain = _engine(model, None, max_num_seqs=batch, **options)
+            before = _spec_counts(llm)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
+            expected = plain.generate(prompts, SamplingParams(max_tokens=max_tokens))
+            verifies, proposed, accepted = (a - b for a, b in zip(_spec_counts(llm), before))
+            tokens = sum(len(o.token_ids) for o in outs)
+            hits = sum(lookup_hits(p, o.token_ids, spec.min_n, spec.max_n)
+                       for p, o in zip(prompts, outs))
+            rows.append({"model": label, "workload": name, "verifies": verifies,
+                         "proposed": proposed, "accepted": accepted,
+                         "acceptance": accepted / proposed if proposed else float("nan"),
+                         "tokens": tokens, "repeats": hits / tokens if tokens else float("nan"),
+                         "same_tokens": [o.token_ids for o in outs] == [o.token_ids
+                                                                        for o in expected]})
+    return pd.DataFrame(rows).set_index(["model", "workload"])
 
 
 def draft_acceptance(model, k: int = 4, batch: int = 4, max_tokens: int = 24, seed: int = 1,
