@@ -20,6 +20,16 @@ group the closer it runs to the copy bandwidth, until the accumulator (rows x kv
 float32) no longer fits in registers. Long contexts with few sequences are split across
 programs and merged exactly as ``paged_attention`` does (``paged_attention_split.py``).
 
+Which side of the matrix multiply the rows sit on matters on Hopper. Its warpgroup MMA
+(wgmma) takes at least 64 rows on the M side; with 16 heads a program has 16 rows, so
+``S = Q C_kv^T`` runs on the older per-warp MMA, each warp holding the whole query. With
+``KEYS_ON_M`` the kernel computes the same tile transposed, ``S^T = C_kv Q^T`` and
+``O^T = C_kv^T P^T``: the 64-key tile and the 512-wide rank are the M side, the rows the N side
+(16 is enough there), and the softmax runs down the columns. ``plan_mla`` picks it for decode
+programs of fewer than 64 rows, where it measured faster on an H200
+(``benchmarks/mla_decode.py``); with 64 heads a program the rows fill M and the plain
+orientation stays.
+
 Masking is ``paged_attention``'s: a sequence's new tokens are the last ``len_q`` of its
 ``seq_lens`` tokens, and with ``causal`` token i sees keys up to its own position.
 The reference is ``paged_mla_attention_ref`` in ``labkit/attention/reference.py``.
@@ -38,11 +48,12 @@ from labkit.kernels.attention_checks import (QUERY_DTYPES, check_cu_seqlens, che
                                              check_tables, check_tensors, resolve_max_query_len,
                                              softmax_scale)
 from labkit.kernels.grid import cdiv, next_power_of_2
-from labkit.kernels.paged_attention_split import (WAVES, choose_num_splits, merge_splits,
-                                                   num_sms)
+from labkit.kernels.paged_attention_split import (MAX_SPLITS, WAVES, choose_num_splits,
+                                                   merge_splits, num_sms)
 
 LOG2_E = 1.4426950408889634
 SHARED_MEMORY_BYTES = 227 * 1024  # the most one block may have on an H100 or H200
+MLA_MAX_SPLITS = 128  # batch 1 at 32k with 16 heads: 128 splits of 256 keys beat 64 on an H200
 
 
 @triton.jit
@@ -53,7 +64,8 @@ def paged_mla_kernel(
         num_heads, qk_scale, num_splits, keys_per_split,
         HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
         ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-        SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr, KEYS_ON_M: tl.constexpr,
+        PAGE_TILE: tl.constexpr):
     seq = tl.program_id(0)
     head_group = tl.program_id(1)
     q_tile = tl.program_id(2) // num_splits
@@ -90,28 +102,52 @@ def paged_mla_kernel(
     table = block_tables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_Q * HEADS], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q * HEADS], tl.float32)
-    acc = tl.zeros([BLOCK_Q * HEADS, RANK], tl.float32)
+    if KEYS_ON_M:  # the tiles below are transposed: [keys, rows] scores, [RANK, rows] output
+        q_lat, q_pe = tl.trans(q_lat), tl.trans(q_pe)
+        acc = tl.zeros([RANK, BLOCK_Q * HEADS], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_Q * HEADS, RANK], tl.float32)
     for n in range(lo, hi, BLOCK_N):
         keys = n + offs_n
         in_range = keys < hi
-        block = tl.load(table + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        latent = Cache + (block * stride_cb + (keys % BLOCK_SIZE) * stride_cs)[:, None]
+        if PAGE_TILE:  # the tile lies inside one cache block: one table read for all its keys
+            block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+            latent = Cache + block * stride_cb + ((n % BLOCK_SIZE) + offs_n)[:, None] * stride_cs
+        else:
+            block = tl.load(table + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+            latent = Cache + (block * stride_cb + (keys % BLOCK_SIZE) * stride_cs)[:, None]
         c_kv = tl.load(latent + offs_c[None, :], mask=in_range[:, None], other=0.0)  # [N, RANK]
         k_pe = tl.load(latent + RANK + offs_p[None, :], mask=in_range[:, None], other=0.0)
         # one tile, two uses: c_kv is the key's latent part here and the value below
-        s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION) + \
-            tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)  # [rows, N]
-        ok = in_range[None, :]
-        if CAUSAL:
-            ok = ok & (keys[None, :] <= pos[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain, as in flash_attention
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision=PRECISION)
+        if KEYS_ON_M:  # S^T = C_kv Q^T: the key tile is the MMA's M side, the rows its N
+            s = tl.dot(c_kv, q_lat, input_precision=PRECISION) + \
+                tl.dot(k_pe, q_pe, input_precision=PRECISION)  # [N, rows]
+            ok = in_range[:, None]
+            if CAUSAL:
+                ok = ok & (keys[:, None] <= pos[None, :])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0) * qk_scale)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s * qk_scale - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = tl.dot(tl.trans(c_kv), p.to(c_kv.dtype), acc * alpha[None, :],
+                         input_precision=PRECISION)  # O^T = C_kv^T P^T: [RANK, rows]
+        else:
+            s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION) + \
+                tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)  # [rows, N]
+            ok = in_range[None, :]
+            if CAUSAL:
+                ok = ok & (keys[None, :] <= pos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain, as flash_attention
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
+    if KEYS_ON_M:
+        acc = tl.trans(acc)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     rows = (q_row0 + token)[:, None]
     if SPLIT:  # a partial result and its log-sum-exp, merged by paged_attention_split
@@ -207,7 +243,7 @@ class MLAPlan:
             dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
             num_heads, self.scale * LOG2_E, self.num_splits, self.keys_per_split,
             RANK=rank, ROPE=q_rope.shape[2], BLOCK_SIZE=self.block_size, SPLIT=split,
-            **self.consts, **self.launch)
+            PAGE_TILE=self.block_size % self.consts["BLOCK_N"] == 0, **self.consts, **self.launch)
         if split:
             merge_splits(dest, lse, out)
         return out
@@ -224,7 +260,8 @@ def shared_memory_bytes(rows: int, block_n: int, width: int, element_size: int) 
 
 def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: int,
              max_query_len: int, device, *, scale: float, causal: bool = True,
-             num_splits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> MLAPlan:
+             num_splits: int | None = None, dtype: torch.dtype = torch.bfloat16,
+             keys_on_m: bool | None = None) -> MLAPlan:
     """The tile plan for ``batch`` sequences, the longest ``max_seq_len`` tokens with
     ``max_query_len`` new ones. A program's rows are (token, head) pairs, at least the 16 that
     tl.dot needs; its accumulator is rows x kv_lora_rank float32, so rows cost registers.
@@ -233,9 +270,13 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
     512 + 64 latent, bf16): with many heads, 64 per program and 8 warps, so each latent tile
     serves more heads before it leaves (batch 64 at 4k with 128 heads: 2.8x faster than 32 per
     program with 32-key tiles), unless too few programs would run, where 32 per program with
-    more splits wins; programs that heavy want about one per SM, not ``WAVES``. With 16 heads,
-    4-warp programs over 32-key tiles, several per SM, and 64-key tiles with 8 warps once the
-    grid no longer fills the GPU (a long context split across one sequence).
+    more splits wins; programs that heavy want about one per SM, not ``WAVES``. Decode programs
+    of fewer than 64 rows run ``KEYS_ON_M`` (``keys_on_m`` forces either orientation) over
+    64-key tiles with 4 warps and 2 stages, split to about one program per SM, up to
+    ``MLA_MAX_SPLITS``: measured against the plain orientation's best plans on an H200, batch
+    64 at 4k with 16 heads 1.07x and batch 1 at 32k 1.46x (16 heads) and 1.27x (128 heads, 32
+    per program). With 64 heads a program the plain orientation stays (keys on M measured
+    0.77x there).
 
     Those tiles are bf16's. ``dtype`` (the cache's) with wider elements halves the key tile
     until ``shared_memory_bytes`` fits a block's ``SHARED_MEMORY_BYTES``; a float32 plan's dots
@@ -258,12 +299,18 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
     head_groups = cdiv(num_heads, heads)
     q_tiles = cdiv(max(max_query_len, 1), block_q)
     programs = batch * head_groups * q_tiles
+    if keys_on_m is None:
+        keys_on_m = max_query_len <= 1 and rows < 64
+    check_flag("keys_on_m", keys_on_m)
     if num_splits is None:
-        num_splits = choose_num_splits(programs, max_seq_len, sms,
-                                       waves=1 if decode and rows >= 32 else WAVES)
+        heavy = decode and (rows >= 32 or keys_on_m)
+        num_splits = choose_num_splits(programs, max_seq_len, sms, waves=1 if heavy else WAVES,
+                                       max_splits=MLA_MAX_SPLITS if keys_on_m else MAX_SPLITS)
     check_positive_int("num_splits", num_splits, hint="or None to choose")
     if interp:
         block_n, launch = 16, {"num_warps": 4, "num_stages": 2}
+    elif decode and keys_on_m:
+        block_n, launch = 64, {"num_warps": 4, "num_stages": 2}
     elif rows >= 32 or (decode and programs * num_splits <= sms):
         block_n, launch = 64, {"num_warps": 8, "num_stages": 3 if rows >= 64 else 2}
     else:
@@ -274,7 +321,8 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
         block_n //= 2
     keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     consts = {"HEADS": heads, "BLOCK_Q": block_q, "BLOCK_N": block_n, "CAUSAL": bool(causal),
-              "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}  # 16-bit: unused
+              "PRECISION": "ieee" if dtype == torch.float32 else "tf32",  # 16-bit: unused
+              "KEYS_ON_M": bool(keys_on_m)}
     grid = (batch if max_query_len > 0 else 0, head_groups, q_tiles * num_splits)
     return MLAPlan(consts, launch, grid, num_splits, keys_per_split, scale, cache_shape[1])
 

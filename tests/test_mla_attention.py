@@ -60,6 +60,42 @@ def test_mla_matches_the_reference_on_random_mixed_batches(case, seed):
     assert err < TOL[torch.float32], f"seed {seed} case {case}: max error {err:.2e}"
 
 
+def _planned(args, keys_on_m, num_splits=None, causal=True):
+    """paged_mla_attention's launch with the tile orientation forced."""
+    from labkit.kernels.paged_mla_attention import plan_mla
+    q_latent, q_rope, cache, table, cu, lens = args
+    plan = plan_mla(q_latent.shape[1], q_latent.shape[2], cache.shape, table.shape[0],
+                    max(int(lens.max()), 1) if lens.numel() else 1,
+                    int((cu[1:] - cu[:-1]).max()) if lens.numel() else 0, q_latent.device,
+                    scale=SCALE, causal=causal, num_splits=num_splits, dtype=q_latent.dtype,
+                    keys_on_m=keys_on_m)
+    assert plan.consts["KEYS_ON_M"] is keys_on_m
+    return plan.run(*args)
+
+
+@settings(max_examples=8, deadline=None)
+@given(mixed_batches(), st.sampled_from([None, 32]), st.integers(0, 2**32 - 1))
+def test_both_tile_orientations_match_the_reference(case, wide_blocks, seed):
+    """Keys on M (S^T = C_kv Q^T) and rows on M compute the same attention on mixed batches,
+    split or not, causal or not; blocks of 32 put two 16-key tiles in one block, so a tile's
+    offset inside its block counts."""
+    lens_q, seq_lens, heads, block_size, num_splits, causal = case
+    args = mla_batch(lens_q, seq_lens, heads, wide_blocks or block_size, torch.float32, seed)
+    ref = paged_mla_attention_ref(*args, scale=SCALE, causal=causal)
+    for keys_on_m in (True, False):
+        err = max_err(_planned(args, keys_on_m, num_splits, causal), ref)
+        assert err < TOL[torch.float32], f"seed {seed} case {case} keys_on_m {keys_on_m}: {err}"
+
+
+def test_decode_runs_keys_on_m_and_a_bad_orientation_is_refused():
+    from labkit.kernels.paged_mla_attention import plan_mla
+    decode = plan_mla(16, RANK, (9, 16, RANK + ROPE), 4, 70, 1, "cpu", scale=SCALE)
+    chunk = plan_mla(16, RANK, (9, 16, RANK + ROPE), 4, 70, 7, "cpu", scale=SCALE)
+    assert decode.consts["KEYS_ON_M"] and not chunk.consts["KEYS_ON_M"]
+    with pytest.raises(TypeError, match="keys_on_m must be True or False"):
+        plan_mla(16, RANK, (9, 16, RANK + ROPE), 4, 70, 1, "cpu", scale=SCALE, keys_on_m="yes")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_mla_decode_verify_chunk_and_idle_in_one_batch(dtype, num_splits):
@@ -162,11 +198,11 @@ def test_decode_plans_follow_the_h200_sweep(monkeypatch):
         p = mla.plan_mla(heads, 512, (batch * ctx // 64, 64, 576), batch, ctx, 1, "cpu",
                          scale=1.0)
         return (p.consts["HEADS"], p.consts["BLOCK_N"], p.launch["num_warps"],
-                p.launch["num_stages"], p.num_splits)
-    assert plan(64, 128, 4096) == (64, 64, 8, 3, 1), "many heads: 64 per program, no split"
-    assert plan(1, 128, 32768) == (32, 64, 8, 2, 33), "one sequence: 32 per program, ~1 wave"
-    assert plan(64, 16, 4096) == (16, 32, 4, 2, 8), "light programs, several per SM"
-    assert plan(1, 16, 32768) == (16, 64, 8, 2, 64), "a grid short of the SMs: 64-key tiles"
+                p.launch["num_stages"], p.num_splits, p.consts["KEYS_ON_M"])
+    assert plan(64, 128, 4096) == (64, 64, 8, 3, 1, False), "many heads: 64 a program"
+    assert plan(1, 128, 32768) == (32, 64, 4, 2, 33, True), "one sequence: 32 a program, 1 wave"
+    assert plan(64, 16, 4096) == (16, 64, 4, 2, 2, True), "keys on M, about one program per SM"
+    assert plan(1, 16, 32768) == (16, 64, 4, 2, 128, True), "one sequence: 128 splits of 256"
     mixed = mla.plan_mla(128, 512, (4096, 64, 576), 8, 4096, 5, "cpu", scale=1.0)
     assert mixed.consts["HEADS"] * mixed.consts["BLOCK_Q"] == 32, "verify tokens: rows cap at 32"
 
@@ -220,6 +256,24 @@ def test_gpu_mla_decode_plans_match_the_reference(batch, heads, ctx):
     err = rel_err(paged_mla_attention(*args, scale=192 ** -0.5),
                   paged_mla_attention_ref(*args, scale=192 ** -0.5))
     assert err < 1e-2, f"seed {seed}: batch {batch}, {heads} heads, {ctx} keys: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_both_tile_orientations_at_deepseek_widths(dtype, heads):
+    """Keys on M and rows on M on the H200's MMAs (wgmma where a side has 64 rows), decode and
+    a mixed batch, split and not."""
+    seed = fresh_seed()
+    for lens_q, seq_lens in (([1] * 6, [4000, 17, 900, 1200, 3, 64]),
+                             ([1, 1, 4, 200, 0], [4000, 17, 900, 1200, 3])):
+        args = mla_batch(lens_q, seq_lens, heads, 64, dtype, seed, rank=512, rope=64,
+                         device="cuda")
+        ref = paged_mla_attention_ref(*args, scale=SCALE)
+        for keys_on_m, splits in itertools.product((True, False), (1, 5)):
+            err = rel_err(_planned(args, keys_on_m, splits), ref)
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            assert err < tol, f"seed {seed} {lens_q} keys_on_m {keys_on_m} splits {splits}: {err}"
 
 
 @pytest.mark.gpu
