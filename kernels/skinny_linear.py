@@ -30,9 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from labkit.device import interpreter_on
 from labkit.kernels.grid import cdiv
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from labkit.kernels.layer_ops import add_rms_norm_ref, silu_mul_ref
 
 MAX_ROWS = 16  # tl.dot's smallest tile: 1 to 16 rows cost the same weight stream
@@ -103,33 +101,15 @@ def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stri
 
 
 @triton.jit
-def _prefetch_rows(W, rows, row_ok, stride_w, K, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask the L2 for ``rows`` of W, one prefetch per 128-byte line; nothing waits for it."""
-    offs = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
-    ptrs = tl.where(row_ok[:, None], W + rows[:, None] * stride_w + offs[None, :], W)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
-                 LINE: tl.constexpr):
+                 BLOCK_K: tl.constexpr):
     # One row: multiply-adds on the CUDA cores, no 16-row tensor-core tile to fill with padding,
     # so a program holds less and more of them fit on each SM.
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     dtype = W.dtype.element_ty
-    if PDL:  # launched before the kernel ahead of it has finished (programmatic dependent launch)
-        # The weights are no kernel's output: start pulling this program's rows into the L2,
-        # then wait for the kernel ahead (it wrote x), and let the next kernel launch early too.
-        _prefetch_rows(W, cols, col_ok, stride_w, K, LINES, LINE)
-        if GATED:
-            _prefetch_rows(W, cols + up_offset, col_ok, stride_w, K, LINES, LINE)
-        gdc_wait()
-        gdc_launch_dependents()
     if NORM:
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -173,17 +153,11 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
 # measurement chose one (benchmarks/decode_floor.py --linears fills it for its run).
 # One row: the tile that won every projection of bench_1b on the H200 (2 output features a
 # program, 2 warps, K in steps of 1,024), measured by decode_floor.py --linears.
-DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024, pdl=True),
+DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024),
            False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
 TUNED: dict[tuple[bool, int, int, bool], dict] = {}
 
 SHARED_BYTES = 160 * 2**10  # of the 227 KiB an H100/H200 SM has, for the pipelined tiles
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: compiled Triton on a Hopper (sm_90) or newer GPU."""
-    return (device.type == "cuda" and not interpreter_on()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _block_k(k: int, block_n: int, tiles: int, stages: int, elem: int) -> int:
@@ -255,14 +229,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
         r = residual if residual is not None else x
         ro = new_residual if new_residual is not None else x
         if rows == 1 and gemv:
-            pdl = tuned.get("pdl", False) and pdl_supported(x.device)
-            line = 128 // x.element_size()
             _gemv_kernel[(cdiv(n, block_n),)](
                 x, r, norm_weight if norm else x, weight, out, ro, n, k, weight.stride(0), n,
                 eps, NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n,
-                BLOCK_K=min(block_k or 512, max(16, triton.next_power_of_2(k))), PDL=pdl,
-                LINES=triton.next_power_of_2(cdiv(k, line)), LINE=line,
-                num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
+                BLOCK_K=min(block_k or 512, max(16, triton.next_power_of_2(k))),
+                num_warps=num_warps, num_stages=num_stages)
             return out, new_residual
         bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
         _skinny_kernel[(cdiv(n, block_n),)](

@@ -140,39 +140,3 @@ def test_gpu_bf16_and_the_engine():
     with skinny_matmuls(True):  # the decode graphs capture it
         with_skinny = LLM(cfg, device="cuda", fused_ops=True).generate(prompts, params)
     assert [o.token_ids for o in with_skinny] == [o.token_ids for o in plain]
-
-
-@pytest.mark.gpu
-def test_gpu_a_chain_of_pdl_launches_reads_each_kernels_output_eager_and_replayed():
-    """Each one-row GEMV launches before the kernel ahead of it ends (programmatic dependent
-    launch) and prefetches its weights; it must still read the x that kernel wrote. A chain of
-    norm'd, gated and plain projections, each fed the last one's output, eager and replayed from
-    a CUDA Graph, against the eager sequence."""
-    from labkit.graphs import capture_graph
-    from labkit.kernels.skinny_linear import DEFAULT, pdl_supported
-    if not pdl_supported(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs sm_90 or newer")
-    assert DEFAULT[True]["pdl"], "one-row steps launch with PDL on Hopper"
-    g = torch.Generator().manual_seed(seed := fresh_seed())
-    dt, dev = torch.bfloat16, "cuda"
-    x0 = torch.randn(1, 2048, generator=g).to(dev, dt)
-    res0 = torch.randn(1, 2048, generator=g).to(dev, dt)
-    nw = (1 + 0.1 * torch.randn(2048, generator=g)).to(dev, dt)
-    weights = [(torch.randn(2 * 4096, 2048, generator=g) / 45).to(dev, dt),
-               (torch.randn(2048, 4096, generator=g) / 64).to(dev, dt)] * 4
-
-    def chain(fn):
-        x, res = x0, res0
-        for i in range(0, len(weights), 2):
-            h, res = fn(x, weights[i], residual=res, norm_weight=nw, eps=1e-5, gated=True)
-            x = fn(h, weights[i + 1])[0]
-        return x, res
-    ref = chain(skinny_linear_ref)
-    eager = chain(skinny_linear)
-    graph, replayed = capture_graph(lambda: chain(skinny_linear))
-    x0.copy_(torch.randn(1, 2048, generator=g).to(dev, dt))  # the replay must read the new x
-    graph.replay()
-    new_ref = chain(skinny_linear_ref)
-    for got, want, what in ((eager, ref, "eager"), (replayed, new_ref, "replayed")):
-        close(got[0], want[0], dt, f"seed {seed}: {what} output")
-        close(got[1], want[1], dt, f"seed {seed}: {what} residual")
