@@ -80,18 +80,22 @@ def test_the_kernel_check_runs_the_kernel_on_a_mixed_batch():
     assert source.startswith("for n in range(lo, hi, BLOCK_N):") and "tl.dot" in source
 
 
-def measured(share16=(0.55, 0.60), share128=(0.20, 0.25), us16=100.0, us128=300.0):
-    """A made-up measurement in the shape measure_decode returns."""
+def measured(share16=(0.55, 0.60), share128=(0.20, 0.25), us16=100.0, us128=300.0,
+             rows16=None):
+    """A made-up measurement in the shape measure_decode returns; ``rows16``: the rows-on-M
+    case's shares of copy per round (absent when None, as in recordings made before it)."""
     copy = 4000.0
-    nbytes = {16: 64 * 4096 * 1152, 128: 64 * 4096 * 1152}
-    cases = {}
-    for heads, share, us in ((16, share16, us16), (128, share128, us128)):
-        gbps = nbytes[heads] / (us * 1e3)
-        cases[f"MLA {heads} heads"] = {"us": us, "us_range": [us, us], "gbps": gbps,
-                                      "gbps_range": [gbps, gbps],
-                                      "gbps_rounds": [share[0] * copy, share[1] * copy]}
+    nbytes = 64 * 4096 * 1152
+    cases, shapes = {}, {"MLA 16 heads": (64, 16, 4096), "MLA 128 heads": (64, 128, 4096)}
+    runs = [("MLA 16 heads", share16, us16), ("MLA 128 heads", share128, us128)]
+    if rows16 is not None:
+        runs.append(("MLA, rows on M (16 heads)", rows16, us16 * share16[0] / rows16[0]))
+        shapes["MLA, rows on M (16 heads)"] = (64, 16, 4096)
+    for name, share, us in runs:
+        gbps = nbytes / (us * 1e3)
+        cases[name] = {"us": us, "us_range": [us, us], "gbps": gbps, "gbps_range": [gbps, gbps],
+                       "gbps_rounds": [share[0] * copy, share[1] * copy]}
     roof = {"copy_gbps": copy, "matmul_tflops": 700.0, "ridge": 175.0}
-    shapes = {"MLA 16 heads": (64, 16, 4096), "MLA 128 heads": (64, 128, 4096)}
     return {**roof, "cases": mla.rate(cases, shapes, roof)}
 
 
@@ -110,6 +114,14 @@ def test_decode_claims_hold_only_when_the_ranges_say_so():
     # 128 heads reading as much of the copy bandwidth as 16 heads: not what compute-bound means
     overlapping = mla.decode_claims(measured(share128=(0.50, 0.58)))
     assert overlapping[0].held and not overlapping[1].held
+
+
+def test_the_orientation_claim_needs_keys_on_m_faster_in_every_round():
+    faster = mla.decode_claims(measured(rows16=(0.50, 0.55)))  # keys on M: 0.55-0.60
+    assert len(faster) == 3 and all(c.held for c in faster)
+    assert "ran 1.10x" in faster[0].text and "1.09-1.10x over" in faster[0].text
+    one_round_slower = mla.decode_claims(measured(rows16=(0.50, 0.61)))
+    assert not one_round_slower[0].held and one_round_slower[1].held
 
 
 def test_the_intensity_claim_needs_gqa_under_the_ridge_and_mla_over_it():
@@ -139,20 +151,21 @@ def test_the_gpu_measurement_feeds_the_notebooks_table_claims_and_figure(monkeyp
         return (lambda: a @ a), batch * ctx * (mla.RANK + mla.ROPE) * 2
 
     from labkit.lessons.mla import decode
-    monkeypatch.setattr(decode, "latent_decode", cpu_case)
+    monkeypatch.setattr(decode, "latent_decode", cpu_case)  # keys_on_m in kw
     monkeypatch.setattr(decode, "gqa_decode", lambda batch, ctx, device="cpu": cpu_case(
         batch, 32, ctx))
     monkeypatch.setattr(decode, "roofs", lambda rounds, device: {
         "copy_gbps": 4000.0, "copy": {}, "matmul_tflops": 700.0, "ridge": 175.0})
     monkeypatch.setattr("labkit.device.free_memory", lambda device: None)
     measured = mla.measure_decode(rounds=3, batch=2, ctx=64, device="cpu")
-    assert set(measured["cases"]) == {"MLA 16 heads", "MLA 128 heads", "GQA 32/8 heads of 128"}
+    assert set(measured["cases"]) == {"MLA 16 heads", "MLA 128 heads", "GQA 32/8 heads of 128",
+                                      "MLA, rows on M (16 heads)"}
     table = mla.decode_table(measured)
     assert table.loc["MLA 128 heads", "FLOPs per byte"] == pytest.approx(
         mla.decode_intensity(DEEPSEEK_V3, "MLA"))
     assert math.isnan(table.loc["GQA 32/8 heads of 128", "TFLOP/s"])
-    assert len(mla.decode_claims(measured)) == 2
-    assert len(mla.roofline_figure(measured, "test").data) == 4
+    assert len(mla.decode_claims(measured)) == 3
+    assert len(mla.roofline_figure(measured, "test").data) == 5
 
 
 def test_both_prefill_paths_give_the_same_outputs_over_a_paged_latent_cache():

@@ -12,6 +12,8 @@ from labkit.lessons.mla.cache_bytes import mla_flops, roof_us
 from labkit.lessons.mla.shapes import BLOCK, RANK, ROPE, SCALE
 from labkit.teaching import claim
 
+ROWS_ON_M = "MLA, rows on M"  # the case timing the other tile orientation
+
 
 def replayed(fn):
     """A replay of ``fn`` captured; it holds ``fn`` (the graph holds no reference to the tensors
@@ -41,13 +43,19 @@ def decode_inputs(batch: int, heads: int, ctx: int, seed=0, device="cuda") -> tu
 
 
 def latent_decode(batch: int, heads: int, ctx: int, num_splits: int | None = None, seed=0,
-                  device="cuda"):
+                  device="cuda", keys_on_m: bool | None = None):
     """(a replay of one paged_mla_attention decode call on ``decode_inputs``, the bytes of
-    latent cache it reads)."""
+    latent cache it reads). ``keys_on_m`` forces the tile orientation (None: the planner's)."""
     from labkit.attention import paged_mla_attention
+    from labkit.kernels.paged_mla_attention import plan_mla
     *args, out = decode_inputs(batch, heads, ctx, seed, device)
-    call = lambda: paged_mla_attention(*args, scale=SCALE, check=False, max_query_len=1,
-                                       num_splits=num_splits, out=out)
+    if keys_on_m is None:
+        call = lambda: paged_mla_attention(*args, scale=SCALE, check=False, max_query_len=1,
+                                           num_splits=num_splits, out=out)
+    else:
+        plan = plan_mla(heads, RANK, args[2].shape, batch, ctx, 1, device, scale=SCALE,
+                        num_splits=num_splits, keys_on_m=keys_on_m)
+        call = lambda: plan.run(*args, out=out)
     return replayed(call), batch * ctx * (RANK + ROPE) * 2
 
 
@@ -128,6 +136,10 @@ def measure_decode(rounds: int = 5, batch: int = 64, ctx: int = 4096, heads=(16,
         name = f"MLA {h} heads"
         cases[name], nbytes[name] = latent_decode(batch, h, ctx, device=device)
         shapes[name] = (batch, h, ctx)
+    name = f"{ROWS_ON_M} ({min(heads)} heads)"  # the planner's other orientation, same rounds
+    cases[name], nbytes[name] = latent_decode(batch, min(heads), ctx, device=device,
+                                              keys_on_m=False)
+    shapes[name] = (batch, min(heads), ctx)
     cases["GQA 32/8 heads of 128"], nbytes["GQA 32/8 heads of 128"] = gqa_decode(
         batch, ctx, device=device)
     results = rate(timed(cases, nbytes, rounds, device), shapes, roof)
@@ -156,12 +168,30 @@ def share_span(lo: float, hi: float) -> str:
     return a if a == b else f"{a}-{b}"
 
 
+def orientation_gain(measured: dict):
+    """Per round, the rows-on-M plan's time over the planner's keys-on-M plan at 16 heads
+    (same bytes, so the ratio of their GB/s), as a Spread; None where it was not measured."""
+    from labkit.measure.rounds import Spread
+    rows = measured["cases"].get(f"{ROWS_ON_M} (16 heads)")
+    if rows is None:
+        return None
+    keys = measured["cases"]["MLA 16 heads"]
+    return Spread.of([k / r for k, r in zip(keys["gbps_rounds"], rows["gbps_rounds"])])
+
+
 def decode_claims(measured: dict, recorded=None) -> list:
     """What the measured decode shows: 16 heads under the ridge and bound by bytes, 128 heads
-    over it and bound by FLOPs, and the whole range of rounds behind each statement."""
+    over it and bound by FLOPs, keys on M faster than rows on M at 16 heads (where measured),
+    and the whole range of rounds behind each statement."""
     cases, ridge = measured["cases"], measured["ridge"]
     low, high = cases["MLA 16 heads"], cases["MLA 128 heads"]
-    return [
+    gain = orientation_gain(measured)
+    oriented = [] if gain is None else [
+        claim("With 16 heads a program has 16 rows, too few for the 64 a warpgroup MMA wants on"
+              " its M side: putting the 64-key tile there instead (keys on M) ran {g:.2f}x the "
+              "rows-on-M plan, {lo:.2f}-{hi:.2f}x over the rounds.",
+              gain.low > 1.0, g=gain.median, lo=gain.low, hi=gain.high, recorded=recorded)]
+    return oriented + [
         claim("MLA decode at 16 heads does {i:.0f} FLOPs per byte, under the ridge of {ridge:.0f}:"
               " it read the latent cache at {span} of the copy bandwidth over the rounds.",
               low["flops_per_byte"] < ridge, i=low["flops_per_byte"], ridge=ridge,
