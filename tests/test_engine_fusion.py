@@ -43,6 +43,7 @@ def test_kernels_are_named_by_what_they_do():
     assert fam("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "matmul"
     assert fam("paged_attention_kernel") == fam("_merge_splits_kernel") == "attention"
     assert fam("store_kv_kernel") == "KV store"
+    assert fam("_gemv_kernel") == "hand-fused: matmul with norm / SiLU x up (one row)"
     assert fam("void at::native::vectorized_elementwise_kernel<4>") == "torch op"
     counts = ef.census_table(NAMES)
     assert counts.loc["torch op", EAGER] == 6 and counts.loc["torch op", IND] == 0

@@ -90,9 +90,10 @@ def test_bad_input_names_the_parameter():
 
 
 def test_the_fused_model_uses_it_for_small_steps_only(monkeypatch):
-    """With skinny_matmuls(True), decode rows (at most MAX_ROWS) run skinny_linear, four calls
-    a layer, and a prompt's rows run cuBLAS; it is off by default and off again after the
-    block; the tokens are the same either way."""
+    """By default one-row steps (batch-1 decode) run skinny_linear, four calls a layer; with
+    skinny_matmuls(True) steps of up to MAX_ROWS rows do, with skinny_matmuls(False) none, and
+    the default comes back after each block. A prompt's rows run cuBLAS. The tokens are the
+    same every way."""
     import labkit.engine.model as model_module
     calls = []
     real = model_module.skinny_linear
@@ -104,15 +105,22 @@ def test_the_fused_model_uses_it_for_small_steps_only(monkeypatch):
     cfg = ModelConfig.tiny()
     prompts = [[random.randrange(256) for _ in range(n)] for n in (20, 3)]
     params = SamplingParams(max_tokens=4)
-    off = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True).generate(prompts, params)
-    assert calls == [] and FusedOps.skinny_rows == 0
+
+    def run(batch):
+        llm = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True)
+        return [o.token_ids for o in llm.generate(batch, params)]
+    with skinny_matmuls(False):
+        off, off_one = run(prompts), run(prompts[:1])
+    assert calls == [] and FusedOps.skinny_rows == 1
+    assert run(prompts) == off and calls == [], "two rows a decode step: cuBLAS by default"
+    assert run(prompts[:1]) == off_one and set(calls) == {1}, "one row: the GEMV by default"
+    assert len(calls) % (4 * cfg.num_hidden_layers) == 0
+    calls.clear()
     with skinny_matmuls(True):
         assert FusedOps.skinny_rows == MAX_ROWS
-        on = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True).generate(prompts,
-                                                                                  params)
-    assert FusedOps.skinny_rows == 0
-    assert [o.token_ids for o in on] == [o.token_ids for o in off]
-    assert calls and max(calls) <= MAX_ROWS
+        on = run(prompts)
+    assert FusedOps.skinny_rows == 1
+    assert on == off and calls and max(calls) <= MAX_ROWS and 2 in calls
     assert len(calls) % (4 * cfg.num_hidden_layers) == 0
 
 

@@ -91,14 +91,15 @@ class FusedOps(PlainOps):
     """The same ops as three Triton kernels (``kernels/layer_ops.py``): about 10 kernels a layer
     with the matmuls. The residual add rides in the norm, RoPE rotates qkv in place.
 
-    With ``skinny_matmuls(True)``, a step of at most ``skinny_rows`` tokens (a small decode
-    batch) runs its matmuls as ``kernels/skinny_linear.py``, which folds the norm before a
-    projection, and SiLU-times-up after gate_up, into the weight stream. Off by default:
-    ``benchmarks/decode_floor.py`` measures it against cuBLAS (on the H200 it won a replayed
-    batch-1 step and lost at batch 8)."""
+    A step of at most ``skinny_rows`` tokens runs its matmuls as ``kernels/skinny_linear.py``,
+    which folds the norm before a projection, and SiLU-times-up after gate_up, into the weight
+    stream. By default that is one-token steps (batch-1 decode): on the H200 a replayed bench_1b
+    batch-1 step ran 1.07-1.08x faster than with cuBLAS in each of three runs
+    (``benchmarks/decode_floor.py``), while its 16-row kernel lost at batch 8.
+    ``skinny_matmuls(True)`` extends it to 16 rows, ``skinny_matmuls(False)`` turns it off."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm)
     silu_mul = staticmethod(layer_ops.silu_mul)
-    skinny_rows = 0
+    skinny_rows = 1
 
     @classmethod
     def _skinny(cls, x: torch.Tensor) -> bool:
@@ -268,8 +269,8 @@ class LlamaModel(nn.Module):
 
 @contextmanager
 def skinny_matmuls(enabled: bool):
-    """``FusedOps`` with its skinny matmuls on or off inside the block (what a CUDA Graph
-    captured inside it freezes): for experiments that measure what they gain."""
+    """``FusedOps`` with its skinny matmuls on for up to 16 rows, or off, inside the block (what
+    a CUDA Graph captured inside it freezes): for experiments that measure what they gain."""
     before = FusedOps.skinny_rows
     FusedOps.skinny_rows = MAX_ROWS if enabled else 0
     try:

@@ -34,7 +34,10 @@ VARIANTS = {"eager ops": {"fused_ops": False},
             "Inductor (compile=True)": {"compile": True}}
 
 HAND_FUSED = {"_add_rms_norm_kernel": "residual add + RMSNorm", "_rope_kernel": "RoPE",
-              "_silu_mul_kernel": "SiLU x up"}
+              "_silu_mul_kernel": "SiLU x up",
+              # kernels/skinny_linear.py: a step of few rows, its norm and SiLU folded in
+              "_gemv_kernel": "matmul with norm / SiLU x up (one row)",
+              "_skinny_kernel": "matmul with norm / SiLU x up (up to 16 rows)"}
 MATMUL = re.compile(r"nvjet|gemm|cutlass|xmma|splitKreduce|cublas|sm90_", re.I)
 
 
