@@ -106,9 +106,10 @@ def record() -> dict:
     return run()
 
 
-def sweep(out_dir: Path | None = None) -> list[dict]:
+def sweep(out_dir: Path | None = None, only: list[str] | None = None) -> list[dict]:
     """Tile settings against each target case, one plan per setting built from ``plan_mla``'s
-    (heads per program, keys per tile, warps, stages, KV splits), each replayed from a graph:
+    (tile orientation, heads per program, keys per tile, warps, stages, KV splits), each
+    replayed from a graph:
     the data behind ``plan_mla``'s choices. A setting that does not compile (registers, shared
     memory) is listed with its error."""
     import dataclasses
@@ -119,23 +120,27 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
     from labkit.measure.bench import measure
     rows = []  # the L2 is flushed where a case's cache fits in twice it (batch 1)
     for batch, heads, ctx in ((64, 16, 4096), (64, 128, 4096), (1, 16, 32768), (1, 128, 32768)):
+        if only and f"{batch}x{heads}" not in only:
+            continue
         ql, qr, cache, table, cu, lens, out = decode_inputs(batch, heads, ctx, device=DEV)
         nbytes = batch * ctx * (RANK + ROPE) * 2
         flush = flush_needed(nbytes, DEV)
         base = plan_mla(heads, RANK, cache.shape, batch, ctx, 1, DEV, scale=SCALE)
-        splits = (1, 2, 4) if batch > 1 else (16, 32, 64)
-        for group, bn, warps, stages, ns in itertools.product(
-                (16, 32, 64), (32, 64), (4, 8), (2, 3), splits):
-            if group > max(heads, 16):
-                continue
+        splits = (1, 2, 4) if batch > 1 else (32, 64, 128, 256)
+        for keys_on_m, group, bn, warps, stages, ns in itertools.product(
+                (True, False), (16, 32, 64), (32, 64), (4, 8), (1, 2, 3), splits):
+            if group > max(heads, 16) or (keys_on_m and (group >= 64 or bn < 64)) or \
+                    (not keys_on_m and stages == 1):
+                continue  # keys on M: for fewer than 64 rows, over tiles wgmma's M can take
             plan = dataclasses.replace(
-                base, consts={**base.consts, "HEADS": group, "BLOCK_Q": 1, "BLOCK_N": bn},
+                base, consts={**base.consts, "HEADS": group, "BLOCK_Q": 1, "BLOCK_N": bn,
+                              "KEYS_ON_M": keys_on_m},
                 launch={"num_warps": warps, "num_stages": stages},
                 grid=(batch, cdiv(heads, group), ns), num_splits=ns,
                 keys_per_split=cdiv(cdiv(ctx, ns), bn) * bn)
-            row = {"batch": batch, "heads": heads, "ctx": ctx, "group": group, "block_n": bn,
-                   "warps": warps, "stages": stages, "splits": ns,
-                   "l2": l2_statement(nbytes, DEV, flushed=flush)}
+            row = {"batch": batch, "heads": heads, "ctx": ctx, "keys_on_m": keys_on_m,
+                   "group": group, "block_n": bn, "warps": warps, "stages": stages,
+                   "splits": ns, "l2": l2_statement(nbytes, DEV, flushed=flush)}
             try:
                 fn = lambda plan=plan: plan.run(ql, qr, cache, table, cu, lens, out=out)
                 replay = replayed(fn)
@@ -150,7 +155,8 @@ def sweep(out_dir: Path | None = None) -> list[dict]:
               f"{base.consts} {base.launch} splits {base.num_splits}; L2: "
               f"{l2_statement(nbytes, DEV, flushed=flush)}; fastest:")
         for r in done[:6]:
-            print(f"  group {r['group']:>3} block_n {r['block_n']:>3} warps {r['warps']} "
+            print(f"  {'keys' if r['keys_on_m'] else 'rows'} on M, "
+                  f"group {r['group']:>3} block_n {r['block_n']:>3} warps {r['warps']} "
                   f"stages {r['stages']} splits {r['splits']:>2}: {r['us']:8.1f} us "
                   f"{r['gbps']:6.0f} GB/s")
         del cache, table
@@ -167,5 +173,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=None, help="folder for mla_decode.json")
     parser.add_argument("--sweep", action="store_true",
                         help="time tile settings per case instead (-> mla_sweep.json)")
+    parser.add_argument("--only", nargs="+", metavar="BATCHxHEADS",
+                        help="with --sweep: these cases only (64x16 64x128 1x16 1x128)")
     args = parser.parse_args()
-    sweep(args.out) if args.sweep else run(args.out)
+    sweep(args.out, args.only) if args.sweep else run(args.out)
