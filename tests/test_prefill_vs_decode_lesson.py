@@ -15,7 +15,7 @@ DECODE = "decode B=1 ctx 1024"
 
 @pytest.fixture(scope="module")
 def rec():
-    return recorded.load("prefill_vs_decode")
+    return recorded.load("prefill_vs_decode", "steps")
 
 
 @pytest.fixture
@@ -55,13 +55,35 @@ def test_roofline_claims_hold_on_the_recording_and_fail_when_prefill_stops_risin
     assert held(pc.roofline_claims(points, rec.data["peaks"], recorded=rec)) == [True] * 3
     flat = swap(points, "prefill S=256", "prefill S=1024", "tflops", "graph")
     assert held(pc.roofline_claims(flat, rec.data["peaks"], recorded=rec))[0] is False
-    overlap = points.copy()  # medians still rising, one round of S=1024 below S=256's best
-    s256, s1024 = at(points, "prefill S=256", "graph"), at(points, "prefill S=1024", "graph")
-    overlap.loc[s1024, "tflops_low"] = 0.99 * float(points.loc[s256, "tflops_high"].iloc[0])
+    overlap = points.copy()  # medians still rising, one round of the longest below S=1024's best
+    s1024, s4096 = at(points, "prefill S=1024", "graph"), at(points, "prefill S=4096", "graph")
+    overlap.loc[s4096, "tflops_low"] = 0.99 * float(points.loc[s1024, "tflops_high"].iloc[0])
     assert held(pc.roofline_claims(overlap, rec.data["peaks"], recorded=rec))[0] is False
+    short = points.copy()  # one round of S=16 above S=64's worst
+    s16, s64 = at(points, "prefill S=16", "graph"), at(points, "prefill S=64", "graph")
+    short.loc[s16, "tflops_high"] = 1.01 * float(points.loc[s64, "tflops_low"].iloc[0])
+    assert held(pc.roofline_claims(short, rec.data["peaks"], recorded=rec))[0] is False
     low_ridge = dict(rec.data["peaks"], matmul_TFLOPs=rec.data["peaks"]["copy_GBps"] * 0.02)
     assert held(pc.roofline_claims(points, low_ridge, recorded=rec))[2] is False, (
         "a ridge of 20 FLOP/B puts the large decode batches right of it")
+
+
+def test_the_rise_may_level_off_near_the_ceiling_but_not_fall_away(rec, points):
+    """A CPU's one thread nears its matmul ceiling by a few hundred tokens; past the best length
+    the claim holds while the longer prompts keep PLATEAU of the best, and says where."""
+    def past_peak(factor):  # S=4096 (the longest) at ``factor`` of S=1024's throughput
+        s1024, s4096 = at(points, "prefill S=1024", "graph"), at(points, "prefill S=4096", "graph")
+        out = points.copy()
+        for c in ("tflops", "tflops_low", "tflops_high"):
+            out.loc[s4096, c] = factor * float(points.loc[s1024, c].iloc[0])
+        return out
+    level = pc.roofline_claims(past_peak(0.9), rec.data["peaks"], recorded=rec)[0]
+    assert level.held and "from S = 1024 on every prompt at least 75% of the best (41% at S = " \
+        "1024)" in level.text
+    falling = pc.roofline_claims(past_peak(0.7), rec.data["peaks"], recorded=rec)[0]
+    assert not falling.held
+    rising = pc.roofline_claims(points, rec.data["peaks"], recorded=rec)[0]
+    assert "the longest gets closest" in rising.text and "past it" not in rising.text
 
 
 def test_a_ratio_of_counts_is_kept_as_an_int(rec, points):

@@ -56,12 +56,18 @@ def _pct(values: Sequence[float]) -> str:
 
 
 # ----------------------------------------------------------------------- part 1: the roofline
+PLATEAU = 0.75  # past its best length, a prefill near the ceiling keeps this share of the best
+
+
 def roofline_claims(points: pd.DataFrame, peaks: dict, *, device: str | None = None,
                     recorded=None, decode_memory_bound: bool = True) -> list:
-    """Prefill's throughput rises with its length toward the matmul ceiling (every step up in
-    S beats the one below across their ranges), the ridge falls between the smallest decode and
-    the longest prefill, and (``decode_memory_bound``: a GPU's ridge, far above a CPU's) every
-    measured decode batch stays left of the ridge."""
+    """Prefill's throughput rises with its length toward the matmul ceiling: where the longest
+    prompt is the best (a GPU), every step up in S beats the one below across their ranges;
+    where it is not (one CPU thread nears its ceiling by a few hundred tokens, then attention's
+    S^2 work grows), the shortest is the lowest, the lengths rise step by step until the first
+    within ``PLATEAU`` of the best, and none after falls below that. The ridge falls between
+    the smallest decode and the longest prefill, and (``decode_memory_bound``: a GPU's ridge,
+    far above a CPU's) every measured decode batch stays left of the ridge."""
     timed, how = _timed(points)
     where = _on(recorded, device)
     ridge = peaks["matmul_TFLOPs"] * 1e3 / peaks["copy_GBps"]
@@ -70,14 +76,29 @@ def roofline_claims(points: pd.DataFrame, peaks: dict, *, device: str | None = N
     ceiling = peaks["matmul_TFLOPs"]
     lows = [_range(r, "tflops")[0] for _, r in pre.iterrows()]
     highs = [_range(r, "tflops")[1] for _, r in pre.iterrows()]
-    rising = len(pre) >= 2 and all(lo > hi for lo, hi in zip(lows[1:], highs[:-1], strict=True))
+    peak = int(pre.tflops.to_numpy().argmax()) if len(pre) else 0
+    top = float(pre.tflops.iloc[peak] / ceiling) if len(pre) else 0.0
+
+    def steps_up(upto: int) -> bool:  # each length above the one before across its range
+        return all(lo > hi for lo, hi in zip(lows[1:upto + 1], highs[:upto]))
+    if peak == len(pre) - 1:  # a GPU: the longest prompt is the best
+        rising = len(pre) >= 2 and steps_up(len(pre) - 1)
+        shape = ("each length above the one before across its range; the longest gets closest, "
+                 f"at {top:.0%}")
+    else:  # one CPU thread nears its ceiling by a few hundred tokens, then attention's S^2 grows
+        near = (pre.tflops >= PLATEAU * pre.tflops.iloc[peak]).to_numpy()
+        knee = int(near.argmax())  # the first length near the best
+        rising = knee >= 1 and bool(near[knee:].all()) and steps_up(knee) and \
+            all(highs[0] < lo for lo in lows[1:])
+        shape = (f"S = {int(pre.tokens.iloc[0])} the lowest across the rounds, and from S = "
+                 f"{int(pre.tokens.iloc[knee])} on every prompt at least {PLATEAU:.0%} of the "
+                 f"best ({top:.0%} at S = {int(pre.tokens.iloc[peak])}): the ceiling is near")
     made = [
         claim("Prefill's throughput rises with the prompt{where}, {how}: S = {lens} reach {shares} "
-              "of the measured matmul ceiling ({ceiling:,.3g} TFLOP/s), each length above the "
-              "one before across its range; the longest gets closest, at {top:.0%}.", rising,
-              where=where, how=how, lens=", ".join(str(t) for t in pre.tokens),
-              shares=_pct(pre.tflops / ceiling), ceiling=ceiling,
-              top=float(pre.tflops.iloc[-1] / ceiling), recorded=recorded),
+              "of the measured matmul ceiling ({ceiling:,.3g} TFLOP/s), {shape}.",
+              rising, where=where, how=how, lens=", ".join(str(t) for t in pre.tokens),
+              shares=_pct(pre.tflops / ceiling), ceiling=ceiling, shape=shape, top=top,
+              recorded=recorded),
         claim("The ridge{where} is {ridge:,.1f} FLOP/B (matmul ceiling / copy bandwidth): decode "
               "at B={b0} ({d0:.2f} FLOP/B) sits left of it, prefill at S={s1} ({p1:,.0f} FLOP/B) "
               "right of it.",
