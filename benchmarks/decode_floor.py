@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import pandas as pd
@@ -24,9 +23,9 @@ import torch
 import labkit  # noqa: F401  (device set-up before anything imports triton)
 from labkit.device import describe, fingerprint, free_memory
 from labkit.engine import ModelConfig, random_model
-from labkit.engine.model import FusedOps, skinny_matmuls
-from labkit.engine.runner import ModelRunner
+from labkit.engine.model import FusedOps
 from labkit.graphs import capture_graph
+from labkit.lessons.prefill_vs_decode import ladder
 from labkit.kernels.skinny_linear import TUNED, skinny_linear
 from labkit.measure.bench import flush_needed, l2_statement, measure
 from labkit.measure.peaks import copy_bandwidth
@@ -36,40 +35,10 @@ from labkit.measure.rounds import interleaved
 TARGET = 0.70  # issue "torch.compile inside the engine": batch-1 decode at 70% of the floor
 
 
-def step_bytes(config: ModelConfig, batch: int, context: int, elem: int) -> dict:
-    """Bytes one decode step must read: every layer's weights, the final norm, the output
-    projection, ``batch`` embedding rows, and each row's K and V over ``context`` tokens."""
-    c = config
-    layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size + \
-        3 * c.intermediate_size * c.hidden_size + 2 * c.hidden_size
-    weights = (c.num_hidden_layers * layer + c.hidden_size + c.vocab_size * c.hidden_size +
-               batch * c.hidden_size) * elem
-    kv = batch * context * c.num_hidden_layers * 2 * c.kv_size * elem
-    return {"weight_bytes": weights, "kv_bytes": kv, "bytes": weights + kv}
-
-
-@torch.inference_mode()
 def decode_replay(model, batch: int, context: int, skinny: bool):
-    """(replay, runner): the runner's captured decode graph for ``batch`` rows, each at
-    ``context`` tokens of random cache, with its inputs in place."""
-    block = 16
-    per_row = math.ceil((context + 1) / block)
-    with skinny_matmuls(skinny):
-        runner = ModelRunner(model, cudagraph_mode="full_decode_only", fused_ops=True,
-                             max_num_seqs=batch, decode_buckets=(batch,),
-                             max_model_len=per_row * block, num_blocks=batch * per_row + 1,
-                             block_size=block)
-    dev = model.embed_tokens.device
-    for layer in range(model.config.num_hidden_layers):  # a cache of finite values
-        runner.cache.key_cache(layer).normal_()
-        runner.cache.value_cache(layer).normal_()
-    rows = torch.arange(batch, device=dev, dtype=torch.int32)
-    tables = (rows[:, None] * per_row + torch.arange(per_row, device=dev, dtype=torch.int32))
-    pos = torch.full((batch,), context - 1, dtype=torch.int32, device=dev)
-    slots = tables[:, (context - 1) // block] * block + (context - 1) % block
-    ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev, dtype=torch.int32)
-    runner.graphs(ids, pos, slots, tables, pos + 1)  # fills the graph's static inputs
-    return runner.graphs.graph((batch,)).replay, runner
+    """(replay, runner): the decode graph with the fused layer ops, the skinny matmuls for up to
+    16 rows (``skinny``) or none."""
+    return ladder.decode_replay(model, batch, context, fused_ops=True, skinny=skinny)
 
 
 def kernel_census(fn) -> pd.DataFrame:
@@ -96,7 +65,7 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
             census[f"B{batch} {name}"] = table.head(25).to_dict(orient="list") | {
                 "kernels": int(table["count"].sum()), "busy_us": float(table.us.sum())}
         timed = interleaved(cases, rounds=rounds, device=dev, repeats=repeats)
-        cost = step_bytes(model.config, batch, context, elem)
+        cost = ladder.step_bytes(model.config, batch, context, elem)
         floor_ms = cost["bytes"] / copy_gbps / 1e6
         for name in cases:
             t = timed.us(name)

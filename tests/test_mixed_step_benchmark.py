@@ -1,8 +1,8 @@
-"""benchmarks/mixed_step.py and benchmarks/decode_floor.py on CPU: they time what they say.
+"""benchmarks/mixed_step.py on CPU: it times what it says.
 
 The mixed-step benchmark's timed steps must each be one prompt chunk beside every running
-decode (it refuses a run where one was not), in each engine; the decode floor's byte count must
-be the bytes the model's parameters really hold.
+decode (it refuses a run where one was not), in each engine. (benchmarks/decode_floor.py's byte
+count is ``labkit.lessons.prefill_vs_decode.ladder.step_bytes``: tests/test_decode_ladder.py.)
 """
 import importlib.util
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit.engine import ModelConfig, random_model
+from labkit.engine import random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,6 @@ def load(name):
 
 
 mixed = load("mixed_step")
-floor = load("decode_floor")
 
 
 def test_every_engine_times_mixed_steps_in_both_loops():
@@ -55,16 +54,3 @@ def test_a_round_refuses_steps_that_are_not_mixed():
 def test_config_refuses_a_prompt_too_short_to_time():
     with pytest.raises(ValueError, match="fewer than measured_steps"):
         mixed.MixedConfig(long_prompt=512 * 4)
-
-
-def test_floor_bytes_are_the_parameters_a_decode_step_reads():
-    cfg = ModelConfig.tiny()
-    model = random_model(cfg, seed=0, dtype=torch.float32)
-    params = sum(p.numel() for p in model.parameters())
-    embed = model.embed_tokens.numel()
-    for batch, context in ((1, 16), (3, 40)):
-        got = floor.step_bytes(cfg, batch, context, 4)
-        # every weight but the embedding table, of which each row reads one line
-        assert got["weight_bytes"] == 4 * (params - embed + batch * cfg.hidden_size)
-        assert got["kv_bytes"] == 4 * batch * context * cfg.num_hidden_layers * 2 * cfg.kv_size
-        assert got["bytes"] == got["weight_bytes"] + got["kv_bytes"]

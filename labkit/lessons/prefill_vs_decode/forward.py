@@ -202,9 +202,10 @@ def record(device="cuda", config: ModelConfig | None = None,
     """`make record`: bench_1b (bf16) on the roofline eager and replayed, plain and with the
     fused layer ops (``fused``), each shape's cases and its op-issue floor in ``rounds``
     interleaved rounds of ``repeats`` samples; profiles of an eager decode and long prefill (and the fused decode);
-    a decode step's time against 4x its context (``context_growth``, replayed); and
-    ``chunked_prefill.record_engine``."""
-    from labkit.lessons.prefill_vs_decode import chunked_prefill
+    a decode step's time against 4x its context (``context_growth``, replayed);
+    ``chunked_prefill.record_engine``; and on a GPU batch-1 decode one change at a time
+    (``ladder``)."""
+    from labkit.lessons.prefill_vs_decode import chunked_prefill, ladder
     from labkit.measure import peaks
     from labkit.measure.profile import trace
 
@@ -220,10 +221,15 @@ def record(device="cuda", config: ModelConfig | None = None,
              "profiles": {s.name: trace(forward_step(model, s, fused_ops=True), device=dev).summary
                           for s in decodes[:1]}}
     smallest = min(decodes, key=lambda s: s.batch)
-    return {"config": config.to_dict(), "peaks": peaks.ceilings(dev, quick=dev.type != "cuda"),
+    ceilings = peaks.ceilings(dev, quick=dev.type != "cuda")
+    data = {"config": config.to_dict(), "peaks": ceilings,
             "points": points.to_dict(orient="list"), "fused": fused,
             "profiles": {s.name: trace(forward_step(model, s), device=dev).summary
                          for s in profiled},
             "context_growth": context_growth(model, 16, smallest.context, 4, modes[-1],
                                              rounds=rounds),
             "engine": chunked_prefill.record_engine(model, **(engine or {}))}
+    if dev.type == "cuda":  # the engine's decode graph at batch 1, one change at a time
+        data["ladder"] = ladder.ladder(model, context=smallest.context, rounds=rounds,
+                                       copy_gbps=ceilings["copy_GBps"])
+    return data

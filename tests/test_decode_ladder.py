@@ -1,0 +1,93 @@
+"""Notebook 07a's batch-1 decode ladder (labkit.lessons.prefill_vs_decode.ladder): the floor's
+bytes, the table and the claim, and the measurement's glue with the CUDA pieces stood in by CPU
+work (the replays themselves need CUDA Graphs: ``make gpu-check`` runs 07a on a GPU)."""
+import pytest
+import torch
+
+from labkit.engine import ModelConfig, random_model
+from labkit.lessons.prefill_vs_decode import ladder
+
+
+def test_floor_bytes_are_the_parameters_a_decode_step_reads():
+    cfg = ModelConfig.tiny()
+    model = random_model(cfg, seed=0, dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    embed = model.embed_tokens.numel()
+    for batch, context in ((1, 16), (3, 40)):
+        got = ladder.step_bytes(cfg, batch, context, 4)
+        # every weight but the embedding table, of which each row reads one line
+        assert got["weight_bytes"] == 4 * (params - embed + batch * cfg.hidden_size)
+        assert got["kv_bytes"] == 4 * batch * context * cfg.num_hidden_layers * 2 * cfg.kv_size
+        assert got["bytes"] == got["weight_bytes"] + got["kv_bytes"]
+
+
+def data(gains=((1.9, 2.0, 2.1), (1.07, 1.08, 1.09)), ms=(1.9, 1.0, 0.95)):
+    """A made-up ladder in the shape ``ladder`` returns."""
+    rows = []
+    for i, (name, t) in enumerate(zip(ladder.RUNGS, ms)):
+        row = {"rung": name, "ms": t, "ms_low": t * 0.99, "ms_high": t * 1.01,
+               "kernels": 690 - 200 * i, "floor_share": 0.5 / t,
+               "floor_share_low": 0.5 / (t * 1.01), "floor_share_high": 0.5 / (t * 0.99)}
+        if i:
+            lo, mid, hi = gains[i - 1]
+            row |= {"gain": mid, "gain_low": lo, "gain_high": hi}
+        rows.append(row)
+    return {"batch": 1, "context": 1024, "rounds": 5, "copy_gbps": 4250.0, "floor_ms": 0.5,
+            "rows": rows}
+
+
+def test_the_claim_holds_only_when_every_change_wins_every_round():
+    (made,) = ladder.ladder_claims(data())
+    assert made.held
+    assert "fused layer kernels 2.00x (1.90-2.10)" in made.text
+    assert "to 0.950 ms and 290" in made.text and "53% (52%-53%)" in made.text
+    (slower,) = ladder.ladder_claims(data(gains=((1.9, 2.0, 2.1), (0.99, 1.05, 1.09))))
+    assert not slower.held, "a round where the GEMV lost"
+    (first,) = ladder.ladder_claims(data(gains=((0.98, 2.0, 2.1), (1.07, 1.08, 1.09))))
+    assert not first.held, "a round where the fused kernels lost"
+
+
+def test_the_table_shows_each_rung_with_its_range_and_gain():
+    table = ladder.ladder_table(data())
+    assert list(table.index) == list(ladder.RUNGS)
+    assert table.loc["one-row GEMV", "gain over the rung above"] == "1.08x (1.07-1.09)"
+    assert table.loc["eager ops", "gain over the rung above"] == ""
+    assert table.loc["one-row GEMV", "of the floor"] == "52.6%"
+
+
+def test_the_measurement_times_every_rung_in_the_same_rounds(monkeypatch):
+    """``ladder``'s glue: one replay per rung built with that rung's options, kernels counted,
+    the rungs timed in interleaved rounds, gains taken per round."""
+    built = []
+
+    def replay(model, batch, context, *, fused_ops, skinny):
+        built.append((fused_ops, skinny))
+        a = torch.randn(64 * (4 - len(built)), 64 * (4 - len(built)))
+        return (lambda: a @ a), object()
+    monkeypatch.setattr(ladder, "decode_replay", replay)
+    monkeypatch.setattr(ladder, "kernel_count", lambda fn: 7)
+    monkeypatch.setattr("labkit.device.free_memory", lambda device: None)
+    model = random_model(ModelConfig.tiny(), seed=0, dtype=torch.float32)
+    got = ladder.ladder(model, batch=1, context=16, rounds=3, repeats=3, copy_gbps=100.0)
+    assert built == [(o["fused_ops"], o["skinny"]) for o in ladder.RUNGS.values()]
+    assert [r["rung"] for r in got["rows"]] == list(ladder.RUNGS)
+    assert "gain" not in got["rows"][0] and all("gain_low" in r for r in got["rows"][1:])
+    floor = ladder.step_bytes(model.config, 1, 16, 4)["bytes"] / 100.0 / 1e6
+    assert got["floor_ms"] == pytest.approx(floor)
+    for r in got["rows"]:
+        assert r["ms_low"] <= r["ms"] <= r["ms_high"] and r["kernels"] == 7
+        assert r["floor_share"] == pytest.approx(floor / r["ms"])
+    assert len(ladder.ladder_claims(got)) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_each_rung_replays_the_engines_graph_with_fewer_kernels():
+    """On a GPU, the three rungs on a small bf16 model: each captured and replayed, the fused
+    kernels and the GEMV each cutting the kernels a step launches."""
+    cfg = ModelConfig.tiny(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           num_key_value_heads=2)
+    model = random_model(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
+    got = ladder.ladder(model, batch=1, context=64, rounds=3, repeats=5)
+    kernels = [r["kernels"] for r in got["rows"]]
+    assert kernels[0] > kernels[1] > kernels[2] > 0, kernels
+    assert all(r["ms"] > 0 and r["floor_share"] > 0 for r in got["rows"])
