@@ -100,3 +100,13 @@ def test_gpu_the_three_ways_on_the_tiny_model():
     assert any(f.startswith("Inductor") for f in counts.index if counts.loc[f, IND] > 0)
     assert len(names[HAND]) < len(names[EAGER]) and len(names[IND]) < len(names[EAGER])
     assert t.set_index("variant").loc[IND, "compile_s"].iloc[0] > 0
+
+
+def test_the_table_view_keeps_what_the_issue_asks_with_each_range():
+    full = table().assign(kernels=134, eager_ms=9.5, capture_s=3.0, graphs=1146)
+    view = ef.table_view(full)
+    assert list(view.columns) == ["variant", "batch", "kernels", "replayed ms (range)",
+                                  "eager_ms", "build_s", "compile_s", "graphs"]
+    first = full.iloc[0]
+    assert view["replayed ms (range)"].iloc[0] == (
+        f"{first.graph_ms:.3f} ({first.graph_low_ms:.3f}-{first.graph_high_ms:.3f})")

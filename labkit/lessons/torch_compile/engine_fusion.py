@@ -205,6 +205,16 @@ def record(batches=(1, 64), context_len: int = 512, rounds: int = 3) -> dict:
             "context_len": context_len, "rounds": rounds}
 
 
+def table_view(table: pd.DataFrame) -> pd.DataFrame:
+    """The step table as a reader takes it in: per variant and batch, kernels, the replayed
+    step with its range over the rounds, the eager step, build and compile seconds, graphs."""
+    replayed = [f"{m:.3f} ({lo:.3f}-{hi:.3f})" for m, lo, hi in
+                zip(table.graph_ms, table.graph_low_ms, table.graph_high_ms)]
+    view = table.assign(**{"replayed ms (range)": replayed})
+    return view[["variant", "batch", "kernels", "replayed ms (range)", "eager_ms", "build_s",
+                 "compile_s", "graphs"]].round(3)
+
+
 def census_figure(names: dict, title: str):
     """Kernels of one batch-1 decode step, stacked by family, one bar per variant."""
     import plotly.express as px
@@ -212,7 +222,12 @@ def census_figure(names: dict, title: str):
         id_vars="family", var_name="variant", value_name="kernels")
     fig = px.bar(counts[counts.kernels > 0], x="variant", y="kernels", color="family",
                  title=title, text="kernels")
-    fig.update_layout(barmode="stack", legend_title_text="what the kernel does")
+    fig.update_traces(textposition="inside")
+    # a label that does not fit its slice is hidden, not drawn over its neighbours; the legend
+    # goes under the plot so long Inductor kernel names do not squeeze the bars
+    fig.update_layout(barmode="stack", legend_title_text="what the kernel does",
+                      uniformtext_minsize=9, uniformtext_mode="hide", height=620,
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, x=0))
     return fig
 
 
