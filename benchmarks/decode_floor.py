@@ -35,12 +35,6 @@ from labkit.measure.rounds import interleaved
 TARGET = 0.70  # issue "torch.compile inside the engine": batch-1 decode at 70% of the floor
 
 
-def decode_replay(model, batch: int, context: int, skinny: bool):
-    """(replay, runner): the decode graph with the fused layer ops, the skinny matmuls for up to
-    16 rows (``skinny``) or none."""
-    return ladder.decode_replay(model, batch, context, fused_ops=True, skinny=skinny)
-
-
 def kernel_census(fn) -> pd.DataFrame:
     """One call of ``fn`` under the profiler: per kernel name, its count and total time."""
     events = trace(fn, warmup=1).events
@@ -58,7 +52,7 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
         cases, keep = {}, []
         for skinny in (False, True):
             name = "skinny" if skinny else "cublas"
-            replay, runner = decode_replay(model, batch, context, skinny)
+            replay, runner = ladder.decode_replay(model, batch, context, skinny=skinny)
             cases[name] = replay
             keep.append(runner)
             table = kernel_census(replay)
