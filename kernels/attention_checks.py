@@ -1,9 +1,10 @@
 """What attention's inputs must satisfy, checked on the host before a kernel is launched.
 
-Shared by ``flash_attention`` and ``paged_attention``. Each check turns bad input into an error
-that names the limit and what to change, never a wrong answer or an illegal memory access on
-the GPU. The checks that read tensor values (cu_seqlens, seq_lens, block ids) cost a host
-sync, so the kernels skip them with ``check=False`` and under CUDA Graph capture.
+Shared by ``flash_attention``, ``paged_attention`` and ``paged_mla_attention``. Each check turns
+bad input into an error that names the limit and what to change, never a wrong answer or an
+illegal memory access on the GPU. The checks that read tensor values (cu_seqlens, seq_lens,
+block ids) cost a host sync, so the kernels skip them with ``check=False`` and under CUDA Graph
+capture.
 """
 from __future__ import annotations
 
@@ -202,3 +203,48 @@ def check_tables(block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size, d
         raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) within "
                          f"seq_lens (got {lowest}..{highest})")
     return longest
+
+
+def _check_width(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two of at least 16 (tl.dot's smallest "
+                         f"tile and tl.arange's rule), got {value}; DeepSeek-V2/V3 use 512 "
+                         "and 64")
+
+
+def check_mla_inputs(q_latent, q_rope, latent_cache, out=None) -> tuple[int, int]:
+    """Shapes, dtypes, devices and layouts; returns (kv_lora_rank, qk_rope_head_dim)."""
+    check_tensors(q_latent=q_latent, q_rope=q_rope, latent_cache=latent_cache)
+    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2]:
+        raise ValueError("q_latent must be [tokens, num_heads, kv_lora_rank] and q_rope "
+                         "[tokens, num_heads, qk_rope_head_dim] with the same tokens and heads; "
+                         f"got {tuple(q_latent.shape)} and {tuple(q_rope.shape)}")
+    rank, rope = q_latent.shape[2], q_rope.shape[2]
+    _check_width("kv_lora_rank (q_latent's last dim)", rank)
+    _check_width("qk_rope_head_dim (q_rope's last dim)", rope)
+    if latent_cache.dim() != 3 or latent_cache.shape[2] != rank + rope:
+        raise ValueError("latent_cache must be [num_blocks, block_size, kv_lora_rank + "
+                         f"qk_rope_head_dim = {rank + rope}] (c_kv then k_pe), got "
+                         f"{tuple(latent_cache.shape)}")
+    if q_latent.dtype not in QUERY_DTYPES:
+        raise TypeError(f"q_latent must be one of {QUERY_DTYPES}, got {q_latent.dtype}")
+    if q_rope.dtype != q_latent.dtype or latent_cache.dtype != q_latent.dtype:
+        raise TypeError(f"q_latent, q_rope and latent_cache must share one dtype, got "
+                        f"{q_latent.dtype}, {q_rope.dtype}, {latent_cache.dtype}")
+    if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1:
+        raise ValueError("the last axis of q_latent and q_rope must be contiguous (stride 1); "
+                         "call .contiguous() first")
+    if not latent_cache.is_contiguous():
+        raise ValueError("latent_cache must be a contiguous [num_blocks, block_size, width] "
+                         "tensor; pass .contiguous() (or the cache itself)")
+    if len({q_latent.device, q_rope.device, latent_cache.device}) != 1:
+        raise ValueError(f"q_latent, q_rope and latent_cache are on different devices: "
+                         f"{q_latent.device}, {q_rope.device}, {latent_cache.device}")
+    if out is not None:
+        check_tensors(out=out)
+        if out.shape != q_latent.shape or out.dtype != q_latent.dtype or \
+                out.device != q_latent.device or out.stride(-1) != 1:
+            raise ValueError(f"out must be {q_latent.dtype} {tuple(q_latent.shape)} on "
+                             f"{q_latent.device} with a contiguous last axis, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+    return rank, rope
