@@ -61,13 +61,13 @@ def run(out_dir: Path | None = None) -> dict:
     results = {**roof, "rounds": ROUNDS, "sections": {}}
     sections = {
         "batch 64": {f"MLA {h} heads": (lambda h=h: latent_decode(64, h, 4096)) for h in (16, 128)}
-        | {f"{ROWS_ON_M} (16 heads)": lambda: latent_decode(64, 16, 4096, keys_on_m=False),
+        | {ROWS_ON_M: lambda: latent_decode(64, 16, 4096, keys_on_m=False),
            "GQA 32/8 heads of 128": lambda: gqa_decode(64, 4096)},
         "batch 1": {f"MLA {h} heads, {label}": (lambda h=h, s=s: latent_decode(1, h, 32768, s))
                     for h in (16, 128) for label, s in (("split (auto)", None), ("no split", 1))},
     }
     shapes = {}
-    shapes[f"{ROWS_ON_M} (16 heads)"] = (64, 16, 4096)
+    shapes[ROWS_ON_M] = (64, 16, 4096)
     for h in (16, 128):
         shapes[f"MLA {h} heads"] = (64, h, 4096)
         for label in ("split (auto)", "no split"):
