@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels.grid import cdiv, next_power_of_2
+from labkit.kernels.pdl import launch_options, pdl_for, wait_for_kernel_ahead
 
 
 @triton.jit
@@ -83,7 +84,9 @@ def add_rms_norm_ref(x, residual, weight, eps):
 
 
 @triton.jit
-def _rope_kernel(QKV, Pos, InvFreq, stride_t, HALF: tl.constexpr, HALF_P: tl.constexpr):
+def _rope_kernel(QKV, Pos, InvFreq, stride_t, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_kernel_ahead(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads then k heads: they sit side by side in each qkv row
     i = tl.arange(0, HALF_P)
@@ -116,7 +119,8 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     if qkv.shape[0]:
         half = head_dim // 2
         _rope_kernel[(qkv.shape[0], num_q_heads + num_kv_heads)](
-            qkv, positions, inv_freq, qkv.stride(0), HALF=half, HALF_P=next_power_of_2(half))
+            qkv, positions, inv_freq, qkv.stride(0), HALF=half, HALF_P=next_power_of_2(half),
+            PDL=(pdl := pdl_for(qkv.device)), **launch_options(pdl))
     return qkv
 
 

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels.grid import cdiv, next_power_of_2
+from labkit.kernels.pdl import launch_options, pdl_for, wait_for_kernel_ahead
 from labkit import check_positive_int
 from labkit.device import interpreter_on
 from labkit.kernels.attention_checks import (check_cache, check_cu_seqlens, check_tables,
@@ -58,7 +59,8 @@ def paged_attention_kernel(
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         WINDOW: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
-        PREFETCH: tl.constexpr):
+        PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    wait_for_kernel_ahead(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_tile = tl.program_id(2) // num_splits
@@ -312,7 +314,8 @@ class PagedAttentionPlan:
             dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
             self.scale * LOG2_E, self.scale, self.window or 0, self.num_splits,
             self.keys_per_split, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
-            WINDOW=self.window is not None, SPLIT=split, **self.consts, **self.launch)
+            WINDOW=self.window is not None, SPLIT=split, PDL=(pdl := pdl_for(q.device)),
+            **self.consts, **self.launch, **launch_options(pdl))
         if split:
             merge_splits(partial, lse, out)
         return out

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels.grid import cdiv, next_power_of_2
+from labkit.kernels.pdl import launch_options, pdl_for, wait_for_kernel_ahead
 
 MIN_KEYS_PER_SPLIT = 64  # one 64-key tile. Few programs over a short context are bound by the
 # latency of their serial tiles, not by the split's partial write and merge: batch 1, 1,024 keys
@@ -56,7 +57,9 @@ def choose_num_splits(programs: int, max_seq_len: int, num_sms: int, waves: int 
 @triton.jit
 def _merge_splits_kernel(Partial, Lse, Out, num_splits,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot,
-                         stride_oh, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr):
+                         stride_oh, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_kernel_ahead(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
@@ -87,7 +90,8 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) ->
         partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_D=block_d, SPLITS_P=next_power_of_2(num_splits))
+        BLOCK_D=block_d, SPLITS_P=next_power_of_2(num_splits),
+        PDL=(pdl := pdl_for(out.device)), **launch_options(pdl))
     return out
 
 

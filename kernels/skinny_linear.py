@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from labkit.kernels.grid import cdiv
 from labkit.kernels.layer_ops import add_rms_norm_ref, silu_mul_ref
+from labkit.kernels.pdl import launch_options, pdl_for
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # tl.dot's smallest tile: 1 to 16 rows cost the same weight stream
 
@@ -101,15 +103,45 @@ def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stri
 
 
 @triton.jit
+def _gemv_input(X, R, NormW, ks, k_ok, inv_rms, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                dtype: tl.constexpr):
+    """One chunk of the row the GEMV multiplies, in float32: ``x`` (or its norm)."""
+    x = _input(X, R, ks, ks, k_ok, HAS_RESIDUAL and NORM)
+    if NORM:
+        normed = (x.to(tl.float32) * inv_rms).to(dtype)
+        nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
+        x = (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype)
+    return x.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # One row: multiply-adds on the CUDA cores, no 16-row tensor-core tile to fill with padding,
     # so a program holds less and more of them fit on each SM.
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     dtype = W.dtype.element_ty
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    start = 0
+    if PDL:
+        # Launched while the kernel ahead still runs (programmatic dependent launch). The
+        # weights are no kernel's output: load this program's first chunk of them now, wait for
+        # the kernel ahead (it wrote x) to finish, and let the next kernel launch: its programs
+        # take the SMs this kernel's last programs leave and load their weights while these end.
+        ks = tl.arange(0, BLOCK_K)
+        w_ok = col_ok[:, None] & (ks < K)[None, :]
+        w0 = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
+        if GATED:
+            wu0 = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
+                          other=0.0)
+        gdc_wait()
+        gdc_launch_dependents()
+        start = BLOCK_K
+    inv_rms = 1.0
     if NORM:
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -122,17 +154,16 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
             x32 = x.to(tl.float32)
             sq += x32 * x32
         inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PDL:
+        ks = tl.arange(0, BLOCK_K)
+        x32 = _gemv_input(X, R, NormW, ks, ks < K, inv_rms, NORM, HAS_RESIDUAL, dtype)
+        acc += tl.sum(w0.to(tl.float32) * x32, 1)
+        if GATED:
+            acc_up += tl.sum(wu0.to(tl.float32) * x32, 1)
+    for k0 in range(start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = _input(X, R, ks, ks, k_ok, HAS_RESIDUAL and NORM)
-        if NORM:
-            normed = (x.to(tl.float32) * inv_rms).to(dtype)
-            nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
-            x = (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype)
-        x32 = x.to(tl.float32)[None, :]
+        x32 = _gemv_input(X, R, NormW, ks, k_ok, inv_rms, NORM, HAS_RESIDUAL, dtype)
         w_ok = col_ok[:, None] & k_ok[None, :]
         w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x32, 1)
@@ -149,13 +180,24 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
     tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
 
 
-# The tile per shape: DEFAULT[one row?], and TUNED[(one row?, N, K, gated)] where a
-# measurement chose one (benchmarks/decode_floor.py --linears fills it for its run).
-# One row: the tile that won every projection of bench_1b on the H200 (2 output features a
-# program, 2 warps, K in steps of 1,024), measured by decode_floor.py --linears.
-DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024),
+# The tile per shape: DEFAULT[one row?] (LONG_ROWS over it for one row of K >= LONG_K), and
+# TUNED[(one row?, N, K, gated)] where a measurement chose one (benchmarks/decode_floor.py
+# --linears fills it for its run). One row, from decode_floor.py --linears on the H200, each
+# projection of bench_1b over its 16 layers in one graph: 2 output features a program, 2 warps,
+# K in steps of 1,024 won q/k/v, o, gate_up and lm_head (K = 2,048); down_proj's K = 8,192 went
+# from 13.6 to 10.8 us a call with one feature a program, K in steps of 2,048 (fewer serial
+# steps a program). ``pdl``: launch as a programmatic dependent (Hopper on; see _gemv_kernel):
+# the replayed batch-1 step went from 943 to 884 us (1.067x, 1.062-1.067, 7 interleaved rounds).
+DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024, pdl=True),
            False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
+LONG_K, LONG_ROWS = 4096, dict(block_n=1, block_k=2048)
 TUNED: dict[tuple[bool, int, int, bool], dict] = {}
+
+
+def default_tile(one_row: bool, k: int) -> dict:
+    """DEFAULT for this row count, with LONG_ROWS over it for one row of at least LONG_K."""
+    return DEFAULT[one_row] | (LONG_ROWS if one_row and k >= LONG_K else {})
+
 
 SHARED_BYTES = 160 * 2**10  # of the 227 KiB an H100/H200 SM has, for the pipelined tiles
 
@@ -173,8 +215,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                   gated: bool = False, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  gemv: bool | None = None, block_k: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  gemv: bool | None = None, block_k: int | None = None,
+                  pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [M <= 16, K] (rows contiguous); weight: [N, K] (``[2 N, K]`` when ``gated``) ->
     (out [M, N], new residual or None).
 
@@ -182,15 +224,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
     residual (``x + residual``, or ``x`` when ``residual`` is None) comes back too; without it,
     ``out = x @ weight.T`` and ``residual`` must be None. ``gated``: ``silu(gate) * up``.
 
-    The tile (``block_n``, ``num_warps``, ``num_stages``, ``gemv``, ``block_k``): each one not
-    given comes from ``TUNED`` for this shape (one row or more, N, K, gated), else ``DEFAULT``."""
+    The tile (``block_n``, ``num_warps``, ``num_stages``, ``gemv``, ``block_k``) and ``pdl``
+    (one row: launch as a programmatic dependent where the GPU has it): each one not given comes
+    from ``TUNED`` for this shape (one row or more, N, K, gated), else ``default_tile``."""
     if x.dim() != 2 or weight.dim() != 2 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with contiguous rows, "
                          f"got x {tuple(x.shape)} strides {x.stride()}, weight "
                          f"{tuple(weight.shape)} strides {weight.stride()}")
     rows, k = x.shape
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
-    tuned = TUNED.get((rows == 1, n_out, k, gated), DEFAULT[rows == 1])
+    tuned = TUNED.get((rows == 1, n_out, k, gated)) or default_tile(rows == 1, k)
     block_n = tuned["block_n"] if block_n is None else block_n
     num_warps = tuned["num_warps"] if num_warps is None else num_warps
     num_stages = tuned["num_stages"] if num_stages is None else num_stages
@@ -229,11 +272,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
         r = residual if residual is not None else x
         ro = new_residual if new_residual is not None else x
         if rows == 1 and gemv:
+            pdl = tuned.get("pdl", False) if pdl is None else pdl
+            pdl = pdl and pdl_for(x.device)
             _gemv_kernel[(cdiv(n, block_n),)](
                 x, r, norm_weight if norm else x, weight, out, ro, n, k, weight.stride(0), n,
                 eps, NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n,
-                BLOCK_K=min(block_k or 512, max(16, triton.next_power_of_2(k))),
-                num_warps=num_warps, num_stages=num_stages)
+                BLOCK_K=min(block_k or 512, max(16, triton.next_power_of_2(k))), PDL=pdl,
+                num_warps=num_warps, num_stages=num_stages,
+                **launch_options(pdl))
             return out, new_residual
         bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
         _skinny_kernel[(cdiv(n, block_n),)](

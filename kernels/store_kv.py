@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from labkit.kernels.grid import cdiv, next_power_of_2
+from labkit.kernels.pdl import launch_options, pdl_for, wait_for_kernel_ahead
 
 FP8_E4M3_MAX = 448.0                        # largest finite e4m3 value
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)       # the same, as the kernel may read a global
@@ -32,7 +33,9 @@ def store_kv_kernel(
     stride_cb, stride_cs, stride_ch,  # cache strides: block, slot in block, head (k and v alike)
     block_size, num_heads, head_dim,
     BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr, QUANTIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_kernel_ahead(PDL)
     t = tl.program_id(0).to(tl.int64)   # int64: offsets into big caches overflow int32
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)  # int32 slots too: no cast kernel per layer
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
@@ -171,6 +174,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_heads, head_dim,
         BLOCK_HEADS=block_heads, BLOCK_DIM=block_dim, QUANTIZE=fp8,
+        PDL=(pdl := pdl_for(key.device)), **launch_options(pdl),
     )
 
 

@@ -52,6 +52,20 @@ def test_matches_the_eager_sequence(rows, n, k, norm, residual, gated):
         assert res is None
 
 
+def test_one_long_row_takes_its_own_tile_and_stays_exact():
+    """down_proj's long rows (K >= LONG_K) run one output feature a program in wider K steps;
+    the answer is the eager sequence's, with K off the step (LONG_K + 5) and on it."""
+    from labkit.kernels.skinny_linear import LONG_K, LONG_ROWS, default_tile
+    assert default_tile(True, LONG_K) == default_tile(True, 64) | LONG_ROWS
+    assert default_tile(True, LONG_K - 1)["block_n"] != LONG_ROWS["block_n"]
+    assert default_tile(False, LONG_K)["block_n"] >= 16, "many rows keep the tl.dot tile"
+    g = torch.Generator().manual_seed(seed := fresh_seed())
+    for k in (LONG_K, LONG_K + 5):
+        x, w, kw = case(1, 3, k, norm=False, residual=False, gated=False, g=g)
+        close(skinny_linear(x, w, **kw)[0], skinny_linear_ref(x, w, **kw)[0], torch.float32,
+              f"seed {seed}: K {k}")
+
+
 def test_random_shapes_and_tiles():
     rng = random.Random(seed := fresh_seed())
     g = torch.Generator().manual_seed(seed)
@@ -148,3 +162,40 @@ def test_gpu_bf16_and_the_engine():
     with skinny_matmuls(True):  # the decode graphs capture it
         with_skinny = LLM(cfg, device="cuda", fused_ops=True).generate(prompts, params)
     assert [o.token_ids for o in with_skinny] == [o.token_ids for o in plain]
+
+
+@pytest.mark.gpu
+def test_gpu_a_chain_of_pdl_launches_reads_each_kernels_output_eager_and_replayed():
+    """Each one-row GEMV launches before the kernel ahead of it ends (programmatic dependent
+    launch) and loads its first weight chunk before waiting; it must still read the x that the
+    kernel ahead wrote. A chain of norm'd, gated and plain projections, each fed the last one's
+    output, eager and replayed from a CUDA Graph, against the eager sequence."""
+    from labkit.graphs import capture_graph
+    from labkit.kernels.pdl import pdl_supported
+    from labkit.kernels.skinny_linear import DEFAULT
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    assert DEFAULT[True]["pdl"], "one-row steps launch as programmatic dependents on Hopper"
+    g = torch.Generator().manual_seed(seed := fresh_seed())
+    dt, dev = torch.bfloat16, "cuda"
+    x0 = torch.randn(1, 2048, generator=g).to(dev, dt)
+    res0 = torch.randn(1, 2048, generator=g).to(dev, dt)
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).to(dev, dt)
+    weights = [(torch.randn(2 * 4096, 2048, generator=g) / 45).to(dev, dt),
+               (torch.randn(2048, 4096, generator=g) / 64).to(dev, dt)] * 4
+
+    def chain(fn, **kw):
+        x, res = x0, res0
+        for i in range(0, len(weights), 2):
+            h, res = fn(x, weights[i], residual=res, norm_weight=nw, eps=1e-5, gated=True, **kw)
+            x = fn(h, weights[i + 1], **kw)[0]
+        return x, res
+    ref = chain(skinny_linear_ref)
+    eager = chain(skinny_linear)
+    graph, replayed = capture_graph(lambda: chain(skinny_linear))
+    x0.copy_(torch.randn(1, 2048, generator=g).to(dev, dt))  # the replay must read the new x
+    graph.replay()
+    new_ref = chain(skinny_linear_ref)
+    for got, want, what in ((eager, ref, "eager"), (replayed, new_ref, "replayed")):
+        close(got[0], want[0], dt, f"seed {seed}: {what} output")
+        close(got[1], want[1], dt, f"seed {seed}: {what} residual")
