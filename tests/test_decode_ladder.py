@@ -21,7 +21,8 @@ def test_floor_bytes_are_the_parameters_a_decode_step_reads():
         assert got["bytes"] == got["weight_bytes"] + got["kv_bytes"]
 
 
-def data(gains=((1.9, 2.0, 2.1), (1.07, 1.08, 1.09)), ms=(1.9, 1.0, 0.95)):
+def data(gains=((1.9, 2.0, 2.1), (1.07, 1.08, 1.09), (1.10, 1.12, 1.13)),
+         ms=(1.9, 1.0, 0.95, 0.85)):
     """A made-up ladder in the shape ``ladder`` returns."""
     rows = []
     for i, (name, t) in enumerate(zip(ladder.RUNGS, ms)):
@@ -40,11 +41,14 @@ def test_the_claim_holds_only_when_every_change_wins_every_round():
     (made,) = ladder.ladder_claims(data())
     assert made.held
     assert "fused layer kernels 2.00x (1.90-2.10)" in made.text
-    assert "to 0.950 ms and 290" in made.text and "53% (52%-53%)" in made.text
-    (slower,) = ladder.ladder_claims(data(gains=((1.9, 2.0, 2.1), (0.99, 1.05, 1.09))))
-    assert not slower.held, "a round where the GEMV lost"
-    (first,) = ladder.ladder_claims(data(gains=((0.98, 2.0, 2.1), (1.07, 1.08, 1.09))))
-    assert not first.held, "a round where the fused kernels lost"
+    assert "dependent launches 1.12x (1.10-1.13)" in made.text
+    assert "to 0.850 ms and 90" in made.text and "59% (58%-59%)" in made.text
+    ok = (1.9, 2.0, 2.1), (1.07, 1.08, 1.09), (1.10, 1.12, 1.13)
+    for rung in range(3):
+        lost = list(ok)
+        lost[rung] = (0.99, *ok[rung][1:])
+        (one,) = ladder.ladder_claims(data(gains=tuple(lost)))
+        assert not one.held, f"a round where {list(ladder.RUNGS)[rung + 1]} lost"
 
 
 def test_the_table_shows_each_rung_with_its_range_and_gain():
@@ -60,16 +64,17 @@ def test_the_measurement_times_every_rung_in_the_same_rounds(monkeypatch):
     the rungs timed in interleaved rounds, gains taken per round."""
     built = []
 
-    def replay(model, batch, context, *, fused_ops, skinny):
-        built.append((fused_ops, skinny))
-        a = torch.randn(64 * (4 - len(built)), 64 * (4 - len(built)))
+    def replay(model, batch, context, *, fused_ops, skinny, pdl):
+        built.append((fused_ops, skinny, pdl))
+        a = torch.randn(64 * (5 - len(built)), 64 * (5 - len(built)))
         return (lambda: a @ a), object()
     monkeypatch.setattr(ladder, "decode_replay", replay)
     monkeypatch.setattr(ladder, "kernel_count", lambda fn: 7)
     monkeypatch.setattr("labkit.device.free_memory", lambda device: None)
     model = random_model(ModelConfig.tiny(), seed=0, dtype=torch.float32)
     got = ladder.ladder(model, batch=1, context=16, rounds=3, repeats=3, copy_gbps=100.0)
-    assert built == [(o["fused_ops"], o["skinny"]) for o in ladder.RUNGS.values()]
+    assert built == [(o["fused_ops"], o["skinny"], o["pdl"]) for o in ladder.RUNGS.values()]
+    assert built[-1][2] is None and not any(b[2] for b in built[:-1]), "only the last rung: PDL"
     assert [r["rung"] for r in got["rows"]] == list(ladder.RUNGS)
     assert "gain" not in got["rows"][0] and all("gain_low" in r for r in got["rows"][1:])
     floor = ladder.step_bytes(model.config, 1, 16, 4)["bytes"] / 100.0 / 1e6
@@ -82,12 +87,12 @@ def test_the_measurement_times_every_rung_in_the_same_rounds(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_each_rung_replays_the_engines_graph_with_fewer_kernels():
-    """On a GPU, the three rungs on a small bf16 model: each captured and replayed, the fused
-    kernels and the GEMV each cutting the kernels a step launches."""
+    """On a GPU, the four rungs on a small bf16 model: each captured and replayed, the fused
+    kernels and the GEMV each cutting the kernels a step launches, dependent launches none."""
     cfg = ModelConfig.tiny(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                            num_key_value_heads=2)
     model = random_model(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
     got = ladder.ladder(model, batch=1, context=64, rounds=3, repeats=5)
     kernels = [r["kernels"] for r in got["rows"]]
-    assert kernels[0] > kernels[1] > kernels[2] > 0, kernels
+    assert kernels[0] > kernels[1] > kernels[2] == kernels[3] > 0, kernels
     assert all(r["ms"] > 0 and r["floor_share"] > 0 for r in got["rows"])

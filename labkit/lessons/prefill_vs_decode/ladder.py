@@ -9,8 +9,11 @@ each to the step before, every rung captured by the engine's runner as a full de
 1. ``eager ops``: each small op of a layer (norms, RoPE, SiLU, residual adds) a torch kernel;
 2. ``fused layer kernels``: labkit's three Triton layer kernels (``kernels/layer_ops.py``);
 3. ``one-row GEMV``: the matmuls of a one-token step as ``kernels/skinny_linear.py``, the norm
-   before a projection and SiLU-times-up after gate_up folded into the weight stream (the
-   engine's default for one-token steps).
+   before a projection and SiLU-times-up after gate_up folded into the weight stream;
+4. ``dependent launches``: every Triton kernel of the step launched as a programmatic dependent
+   (``kernels/pdl.py``, Hopper): each starts while the kernel ahead finishes, a GEMV loading its
+   weights before it waits. Rungs 3 and 4 together are the engine's default for one-token steps
+   (on a GPU without PDL, rung 4 is rung 3).
 
 The three replays are timed in the same interleaved rounds, so each rung's gain over the one
 before is a ratio per round, with its range.
@@ -24,9 +27,10 @@ import torch
 
 from labkit.teaching import claim
 
-RUNGS = {"eager ops": {"fused_ops": False, "skinny": False},
-         "fused layer kernels": {"fused_ops": True, "skinny": False},
-         "one-row GEMV": {"fused_ops": True, "skinny": None}}  # None: the engine's default
+RUNGS = {"eager ops": {"fused_ops": False, "skinny": False, "pdl": False},
+         "fused layer kernels": {"fused_ops": True, "skinny": False, "pdl": False},
+         "one-row GEMV": {"fused_ops": True, "skinny": None, "pdl": False},
+         "dependent launches": {"fused_ops": True, "skinny": None, "pdl": None}}  # None: default
 
 
 def step_bytes(config, batch: int, context: int, elem: int) -> dict:
@@ -43,16 +47,19 @@ def step_bytes(config, batch: int, context: int, elem: int) -> dict:
 
 @torch.inference_mode()
 def decode_replay(model, batch: int, context: int, *, fused_ops: bool = True,
-                  skinny: bool | None = None):
+                  skinny: bool | None = None, pdl: bool | None = None):
     """(replay, runner): the runner's captured decode graph for ``batch`` rows, each at
     ``context`` tokens of random cache, with its inputs in place. ``skinny``: the skinny
-    matmuls for up to 16 rows (True), none (False), or the engine's default (None)."""
+    matmuls for up to 16 rows (True), none (False), or the engine's default (None); ``pdl``:
+    programmatic dependent launches off (False) or the default (None)."""
     from contextlib import nullcontext
     from labkit.engine.model import skinny_matmuls
     from labkit.engine.runner import ModelRunner
+    from labkit.kernels.pdl import pdl_launches
     block = 16
     per_row = math.ceil((context + 1) / block)
-    with nullcontext() if skinny is None else skinny_matmuls(skinny):
+    with nullcontext() if skinny is None else skinny_matmuls(skinny), \
+            nullcontext() if pdl is None else pdl_launches(pdl):
         runner = ModelRunner(model, cudagraph_mode="full_decode_only", fused_ops=fused_ops,
                              max_num_seqs=batch, decode_buckets=(batch,),
                              max_model_len=per_row * block, num_blocks=batch * per_row + 1,
