@@ -15,10 +15,7 @@ ops a Llama layer runs around its matmuls:
   ``silu(gate) * up``: each program streams its gate slice and the matching up slice.
 
 Two kernels: one row runs ``_gemv_kernel`` (multiply-adds on the CUDA cores; ``gemv=False``
-forces the other), 2 to 16 rows ``_skinny_kernel``: a 16-row ``tl.dot`` tile, or with
-``gemv=True`` (up to ``MAX_GEMV_ROWS``) multiply-adds over the few real rows. On Hopper a kernel
-may launch as a programmatic dependent (``pdl``, ``kernels/pdl.py``): it loads its first chunk
-of weights, which no kernel writes, before it waits for the kernel ahead.
+forces the other), 2 to 16 rows ``_skinny_kernel`` (a 16-row ``tl.dot`` tile).
 
 Rounding follows the eager ops (``add_rms_norm_ref``, ``silu_mul_ref``): the residual sum and the
 normed input are rounded to the model's dtype before the matmul reads them, the gate is rounded
@@ -33,13 +30,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from labkit.kernels.grid import cdiv, next_power_of_2
+from labkit.kernels.grid import cdiv
 from labkit.kernels.layer_ops import add_rms_norm_ref, silu_mul_ref
 from labkit.kernels.pdl import launch_options, pdl_for
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # tl.dot's smallest tile: 1 to 16 rows cost the same weight stream
-MAX_GEMV_ROWS = 8  # multiply-adds on the CUDA cores (``gemv=True``) for at most this many rows
 
 
 @triton.jit
@@ -53,55 +49,16 @@ def _input(X, R, x_offs, r_offs, ok, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _rows_input(X, R, NormW, rows, row_ok, ks, k_ok, stride_x, stride_r, inv_rms,
-                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, dtype: tl.constexpr):
-    """One [rows, K chunk] tile of the matmul's input, in the model's dtype: ``x``, or its norm."""
-    x = _input(X, R, rows[:, None] * stride_x + ks[None, :], rows[:, None] * stride_r + ks[None, :],
-               row_ok[:, None] & k_ok[None, :], HAS_RESIDUAL and NORM)
-    if NORM:
-        normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype)
-        nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
-        x = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
-    return x
-
-
-@triton.jit
-def _times_w(x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """x [rows, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T in float32: a tensor-core tile (``tl.dot``, 16
-    rows and up) or, for a few rows, multiply-adds on the CUDA cores."""
-    if DOT:
-        out = tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    else:
-        out = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-    return out
-
-
-@triton.jit
 def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stride_w, stride_o,
                    stride_ro, up_offset, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     dtype = W.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    start = 0
-    if PDL:  # as _gemv_kernel: the first weight chunk before waiting for the kernel ahead
-        ks = tl.arange(0, BLOCK_K)
-        w_ok = col_ok[:, None] & (ks < K)[None, :]
-        w0 = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
-        if GATED:
-            wu0 = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
-                          other=0.0)
-        gdc_wait()
-        gdc_launch_dependents()
-        start = BLOCK_K
-    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
         # First pass over the few input rows: their mean square (and the new residual).
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -116,25 +73,25 @@ def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stri
             x32 = x.to(tl.float32)
             sq += tl.sum(x32 * x32, 1)
         inv_rms = 1.0 / tl.sqrt(sq / K + eps)
-    if PDL:
-        ks = tl.arange(0, BLOCK_K)
-        x = _rows_input(X, R, NormW, rows, row_ok, ks, ks < K, stride_x, stride_r, inv_rms,
-                        NORM, HAS_RESIDUAL, dtype)
-        acc += _times_w(x, w0, DOT, PRECISION)
-        if GATED:
-            acc_up += _times_w(x, wu0, DOT, PRECISION)
-    for k0 in range(start, K, BLOCK_K):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = _rows_input(X, R, NormW, rows, row_ok, ks, k_ok, stride_x, stride_r, inv_rms,
-                        NORM, HAS_RESIDUAL, dtype)
+        ok = row_ok[:, None] & k_ok[None, :]
+        x = _input(X, R, rows[:, None] * stride_x + ks[None, :],
+                   rows[:, None] * stride_r + ks[None, :], ok, HAS_RESIDUAL and NORM)
+        if NORM:
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype)
+            nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
+            x = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
         w_ok = col_ok[:, None] & k_ok[None, :]
         w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
-        acc += _times_w(x, w, DOT, PRECISION)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if GATED:
             wu = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
                          other=0.0)
-            acc_up += _times_w(x, wu, DOT, PRECISION)
+            acc_up += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
     if GATED:
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # F.silu rounds to the dtype here
@@ -234,9 +191,6 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
 DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024, pdl=True),
            False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
 LONG_K, LONG_ROWS = 4096, dict(block_n=1, block_k=2048)
-# 2 to MAX_GEMV_ROWS rows as multiply-adds (a verify step of k <= 7 at batch 1, small batches):
-# not the default until measured against cuBLAS; benchmarks/decode_floor.py --few-rows races it.
-FEW_ROWS = dict(block_n=2, num_warps=2, num_stages=3, gemv=True, pdl=True)
 TUNED: dict[tuple[bool, int, int, bool], dict] = {}
 
 
@@ -295,13 +249,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
                          f"{weight.shape[0]} rows")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}: give both one dtype")
-    if gemv and rows > MAX_GEMV_ROWS:
-        raise ValueError(f"gemv=True takes at most MAX_GEMV_ROWS={MAX_GEMV_ROWS} rows (each a "
-                         f"multiply-add per weight), got x with {rows}: use the tl.dot tile")
-    smallest = 1 if gemv else 16
+    smallest = 1 if rows == 1 and gemv else 16
     if block_n < smallest or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {smallest} (tl.dot's smallest tile "
-                         f"is 16; gemv=True runs without it), got {block_n}")
+                         f"is 16; one row runs without it), got {block_n}")
     if norm_weight is None and residual is not None:
         raise ValueError("residual is added before the norm: pass norm_weight with it")
     if norm_weight is not None and norm_weight.shape != (k,):
@@ -320,9 +271,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
     if rows and n:
         r = residual if residual is not None else x
         ro = new_residual if new_residual is not None else x
-        pdl = tuned.get("pdl", False) if pdl is None else pdl
-        pdl = pdl and pdl_for(x.device)
         if rows == 1 and gemv:
+            pdl = tuned.get("pdl", False) if pdl is None else pdl
+            pdl = pdl and pdl_for(x.device)
             _gemv_kernel[(cdiv(n, block_n),)](
                 x, r, norm_weight if norm else x, weight, out, ro, n, k, weight.stride(0), n,
                 eps, NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n,
@@ -330,21 +281,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
                 num_warps=num_warps, num_stages=num_stages,
                 **launch_options(pdl))
             return out, new_residual
-        if gemv:  # a few rows: the [rows, BLOCK_N, BLOCK_K] products stay near 2,048 a program
-            block_m = next_power_of_2(rows)
-            bk = min(block_k or max(16, 2048 // block_m), max(16, next_power_of_2(k)))
-        else:
-            block_m = 16
-            bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
-            bk = min(bk, block_k) if block_k else bk
+        bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
         _skinny_kernel[(cdiv(n, block_n),)](
             x, r, norm_weight if norm else x, weight, out, ro, rows, n, k, x.stride(0),
             r.stride(0), weight.stride(0), out.stride(0), ro.stride(0), n, eps, NORM=norm,
-            HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=bk, num_warps=num_warps, num_stages=num_stages,
+            HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=min(bk, block_k) if block_k else bk, num_warps=num_warps, num_stages=num_stages,
             # float32 as F.linear computes it (tl.dot would take TF32): the same greedy tokens
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT=not gemv, PDL=pdl,
-            **launch_options(pdl))
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out, new_residual
 
 

@@ -10,8 +10,7 @@ import torch
 import labkit  # noqa: F401  (interpreter before triton)
 from labkit.engine import LLM, ModelConfig, SamplingParams
 from labkit.engine.model import FusedOps, skinny_matmuls
-from labkit.kernels.skinny_linear import (MAX_GEMV_ROWS, MAX_ROWS, skinny_linear,
-                                          skinny_linear_ref)
+from labkit.kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_ref
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -67,23 +66,6 @@ def test_one_long_row_takes_its_own_tile_and_stays_exact():
               f"seed {seed}: K {k}")
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 8])
-def test_a_few_rows_as_multiply_adds_match_the_eager_sequence(rows):
-    """gemv=True for 2 to MAX_GEMV_ROWS rows (a verify step, a small batch): the padded rows of
-    the power-of-two tile stay out of the output and the residual; norm, residual and the gate
-    as on the tl.dot path; K off the chunk and on it."""
-    g = torch.Generator().manual_seed(seed := fresh_seed())
-    for k, gated in ((300, True), (512, False)):
-        x, w, kw = case(rows, 37, k, norm=True, residual=True, gated=gated, g=g)
-        (out, res), (ref, ref_res) = (skinny_linear(x, w, gemv=True, block_n=2, **kw),
-                                      skinny_linear_ref(x, w, **kw))
-        close(out, ref, torch.float32, f"seed {seed}: rows {rows} K {k} out")
-        close(res, ref_res, torch.float32, f"seed {seed}: rows {rows} K {k} residual")
-        x, w, kw = case(rows, 19, k, norm=False, residual=False, gated=False, g=g)
-        close(skinny_linear(x, w, gemv=True, block_n=1, **kw)[0], skinny_linear_ref(x, w, **kw)[0],
-              torch.float32, f"seed {seed}: rows {rows} K {k} plain")
-
-
 def test_random_shapes_and_tiles():
     rng = random.Random(seed := fresh_seed())
     g = torch.Generator().manual_seed(seed)
@@ -93,9 +75,8 @@ def test_random_shapes_and_tiles():
         flags = dict(norm=rng.random() < 0.7, gated=rng.random() < 0.5)
         flags["residual"] = flags["norm"] and rng.random() < 0.7
         x, w, kw = case(rows, n, k, g=g, **flags)
-        # up to MAX_GEMV_ROWS rows: multiply-adds (one row: _gemv_kernel), or the tl.dot tile
-        gemv = rows <= MAX_GEMV_ROWS and rng.random() < 0.5
-        block_n = rng.choice([1, 2, 4, 8, 16, 32] if gemv else [16, 32, 64])
+        gemv = rng.random() < 0.5  # one row: the multiply-add kernel, or the tensor-core tile
+        block_n = rng.choice([4, 8, 16, 32] if rows == 1 and gemv else [16, 32, 64])
         block_k = rng.choice([None, 16, 64])
         got = skinny_linear(x, w, block_n=block_n, gemv=gemv, block_k=block_k, **kw)[0]
         close(got, skinny_linear_ref(x, w, **kw)[0], torch.float32,
@@ -106,8 +87,6 @@ def test_bad_input_names_the_parameter():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="MAX_ROWS=16"):
         skinny_linear(torch.randn(17, 8), w)
-    with pytest.raises(ValueError, match=f"MAX_GEMV_ROWS={MAX_GEMV_ROWS}"):
-        skinny_linear(torch.randn(MAX_GEMV_ROWS + 1, 8), w, gemv=True)
     with pytest.raises(ValueError, match="K=8"):
         skinny_linear(x, torch.randn(4, 9))
     with pytest.raises(ValueError, match="gated=True wants weight"):
@@ -186,10 +165,9 @@ def test_gpu_bf16_and_the_engine():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_a_chain_of_pdl_launches_reads_each_kernels_output_eager_and_replayed(rows):
-    """Each GEMV (one row, or a few as multiply-adds) launches before the kernel ahead of it
-    ends (programmatic dependent launch) and loads its first weight chunk before waiting; it must still read the x that the
+def test_gpu_a_chain_of_pdl_launches_reads_each_kernels_output_eager_and_replayed():
+    """Each one-row GEMV launches before the kernel ahead of it ends (programmatic dependent
+    launch) and loads its first weight chunk before waiting; it must still read the x that the
     kernel ahead wrote. A chain of norm'd, gated and plain projections, each fed the last one's
     output, eager and replayed from a CUDA Graph, against the eager sequence."""
     from labkit.graphs import capture_graph
@@ -200,15 +178,13 @@ def test_gpu_a_chain_of_pdl_launches_reads_each_kernels_output_eager_and_replaye
     assert DEFAULT[True]["pdl"], "one-row steps launch as programmatic dependents on Hopper"
     g = torch.Generator().manual_seed(seed := fresh_seed())
     dt, dev = torch.bfloat16, "cuda"
-    x0 = torch.randn(rows, 2048, generator=g).to(dev, dt)
-    res0 = torch.randn(rows, 2048, generator=g).to(dev, dt)
+    x0 = torch.randn(1, 2048, generator=g).to(dev, dt)
+    res0 = torch.randn(1, 2048, generator=g).to(dev, dt)
     nw = (1 + 0.1 * torch.randn(2048, generator=g)).to(dev, dt)
     weights = [(torch.randn(2 * 4096, 2048, generator=g) / 45).to(dev, dt),
                (torch.randn(2048, 4096, generator=g) / 64).to(dev, dt)] * 4
 
     def chain(fn, **kw):
-        if fn is skinny_linear and rows > 1:  # a few rows: multiply-adds, launched as dependents
-            kw |= dict(gemv=True, block_n=2, pdl=True)
         x, res = x0, res0
         for i in range(0, len(weights), 2):
             h, res = fn(x, weights[i], residual=res, norm_weight=nw, eps=1e-5, gated=True, **kw)
@@ -217,7 +193,7 @@ def test_gpu_a_chain_of_pdl_launches_reads_each_kernels_output_eager_and_replaye
     ref = chain(skinny_linear_ref)
     eager = chain(skinny_linear)
     graph, replayed = capture_graph(lambda: chain(skinny_linear))
-    x0.copy_(torch.randn(rows, 2048, generator=g).to(dev, dt))  # the replay must read the new x
+    x0.copy_(torch.randn(1, 2048, generator=g).to(dev, dt))  # the replay must read the new x
     graph.replay()
     new_ref = chain(skinny_linear_ref)
     for got, want, what in ((eager, ref, "eager"), (replayed, new_ref, "replayed")):
