@@ -80,8 +80,8 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
 
 
 ONE_ROW = [dict(gemv=True, block_n=bn, num_warps=w, num_stages=3, block_k=bk)
-           for bn, w, bk in ((2, 2, 1024), (4, 2, 512), (4, 4, 1024), (8, 4, 512), (8, 4, 1024),
-                             (16, 4, 512), (16, 8, 1024), (32, 8, 512))]
+           for bn, w, bk in ((1, 2, 2048), (2, 2, 1024), (2, 4, 2048), (4, 2, 512), (4, 4, 1024),
+                             (8, 4, 512), (16, 4, 512), (32, 8, 512))]
 MANY_ROWS = [dict(gemv=False, block_n=bn, num_warps=w, num_stages=st)
              for bn, w, st in ((16, 4, 3), (16, 4, 4), (32, 4, 4), (64, 8, 4))]
 
