@@ -52,17 +52,17 @@ def _per_round(a, a_name: str, b, b_name: str) -> Spread:
 def chunk_host_claim(on, gpu_prefill: tuple[str, float], *, device: str | None = None,
                      recorded=None):
     """``on``: the chunked ``Interference`` run; ``gpu_prefill``: a replayed prefill's name and
-    GPU ms, at least the chunk's tokens (``bounds.replayed_prefill``: an upper bound on a
-    chunk's GPU time). Every mixed step takes longer than it: the rest of the step is the
-    host's."""
+    GPU ms, at least the chunk's tokens (``bounds.replayed_prefill``: at least a chunk's matmul
+    work; a late chunk also attends over the long prefix, so the bound is tightest for the early
+    chunks). Every mixed step takes longer than it: the rest of an early one is the host's."""
     name, gpu_ms = gpu_prefill
     mixed = on.step_ms[on.mixed]
     return claim(
         "A mixed step of at most {budget} tokens takes {m:.1f} ms{where} ({mlo:.1f}-{mhi:.1f} "
         "over the {n} steps), {x:.2f}x the GPU time of a replayed {name} ({g:.2f} ms), a "
-        "prefill of at least as many tokens: every mixed step outlasts the GPU work it "
-        "holds, so at least {host:.0%} of it is the host issuing the eager ops, a cost a "
-        "smaller chunk does not shrink.",
+        "prefill of at least as many tokens: every mixed step outlasts it, and in an early "
+        "chunk, whose attention over the prompt so far is short, at least {host:.0%} of the "
+        "step is the host issuing the eager ops, a cost a smaller chunk does not shrink.",
         bool(len(mixed) > 0 and mixed.min() > gpu_ms), budget=on.budget,
         m=float(mixed.median()), mlo=float(mixed.min()), mhi=float(mixed.max()),
         n=int(on.mixed.sum()), where=_on(recorded, device), x=float(mixed.median() / gpu_ms),
