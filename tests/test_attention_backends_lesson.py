@@ -110,11 +110,11 @@ def test_selection_claims_hold_on_the_notebooks_decisions_and_fail_on_other_ones
                   "sdpa": ["model: MLA attention is not supported"],
                   "reference": ["compatible, but after 'triton' in the priority order"]}
     chosen = {"GQA + fp8 KV cache on an A100": ("reference", {}),
-              "head_dim 96 (Phi-2-like)": ("sdpa", {}),
+              "head_dim 96 (Phi-3-mini-like)": ("sdpa", {}),
               "MLA (DeepSeek-V3)": ("triton", mla_passed)}
     assert all(held(selection_claims(chosen, {})))
     wrong = {"GQA + fp8 KV cache on an A100": ("triton", {}),
-             "head_dim 96 (Phi-2-like)": ("triton", {}),
+             "head_dim 96 (Phi-3-mini-like)": ("triton", {}),
              "MLA (DeepSeek-V3)": ("triton", {**mla_passed, "sdpa": ["head_dim too large"]})}
     assert held(selection_claims(wrong, {})) == [False, False, False]
     served_by_a_peer = {**chosen, "MLA (DeepSeek-V3)": ("sdpa", {"flex": ["MLA"]})}

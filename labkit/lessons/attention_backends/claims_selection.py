@@ -26,7 +26,7 @@ def selection_claims(chosen: dict, refused: dict) -> list:
     """Who serves the awkward shapes, from the selection just run (``chosen``: name -> (backend,
     passed over); ``refused``: name -> reasons per backend)."""
     fp8_a100 = chosen.get("GQA + fp8 KV cache on an A100", ("nothing",))[0]
-    hd96 = chosen.get("head_dim 96 (Phi-2-like)", ("nothing",))[0]
+    hd96 = chosen.get("head_dim 96 (Phi-3-mini-like)", ("nothing",))[0]
     # MLA: served by a backend with an MLA call (paged_mla_attention); the others must say why
     mla = {n: c for n, c in chosen.items() if "MLA" in n}
     served = sorted({backend for backend, _ in mla.values()})
