@@ -93,9 +93,9 @@ class FusedOps(PlainOps):
 
     A step of at most ``skinny_rows`` tokens runs its matmuls as ``kernels/skinny_linear.py``,
     which folds the norm before a projection, and SiLU-times-up after gate_up, into the weight
-    stream. By default that is one-token steps (batch-1 decode): on the H200 a replayed bench_1b
-    batch-1 step ran 1.07-1.08x faster than with cuBLAS in each of three runs
-    (``benchmarks/decode_floor.py``), while its 16-row kernel lost at batch 8.
+    stream. By default that is one-token steps (batch-1 decode): replayed on the H200 it beats
+    cuBLAS (07a's ladder in ``recorded_data/prefill_vs_decode.json``, and
+    ``benchmarks/decode_floor.py``), while its 16-row kernel lost at batch 8.
     ``skinny_matmuls(True)`` extends it to 16 rows, ``skinny_matmuls(False)`` turns it off."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm)
     silu_mul = staticmethod(layer_ops.silu_mul)
