@@ -187,7 +187,8 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
 # K in steps of 1,024 won q/k/v, o, gate_up and lm_head (K = 2,048); down_proj's K = 8,192 went
 # from 13.6 to 10.8 us a call with one feature a program, K in steps of 2,048 (fewer serial
 # steps a program). ``pdl``: launch as a programmatic dependent (Hopper on; see _gemv_kernel):
-# the replayed batch-1 step went from 943 to 884 us (1.067x, 1.062-1.067, 7 interleaved rounds).
+# the replayed batch-1 step went from 900 to 849 us (1.062x, 1.060-1.063, 7 interleaved rounds),
+# and to 803 us with the layer's other Triton kernels launched so too (07a's ladder records it).
 DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024, pdl=True),
            False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
 LONG_K, LONG_ROWS = 4096, dict(block_n=1, block_k=2048)
