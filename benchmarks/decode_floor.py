@@ -44,15 +44,24 @@ def kernel_census(fn) -> pd.DataFrame:
 
 
 def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5,
-                 repeats: int = 20, copy_gbps: float | None = None) -> dict:
+                 repeats: int = 20, copy_gbps: float | None = None,
+                 rope_in_gemv: bool = False) -> dict:
+    """``rope_in_gemv``: at batch 1 a third replay, the skinny one with RoPE folded into the
+    q/k/v GEMV (``FusedOps.rope_in_gemv``), in the same rounds."""
     dev, elem = model.embed_tokens.device, model.embed_tokens.element_size()
     copy_gbps = copy_gbps or copy_bandwidth(dev)
     rows, census = [], {}
     for batch in batches:
         cases, keep = {}, []
-        for skinny in (False, True):
-            name = "skinny" if skinny else "cublas"
-            replay, runner = ladder.decode_replay(model, batch, context, skinny=skinny)
+        variants = [("cublas", False, False), ("skinny", True, False)]
+        if rope_in_gemv and batch == 1:
+            variants.append(("skinny, rope in gemv", True, True))
+        for name, skinny, rope in variants:
+            before, FusedOps.rope_in_gemv = FusedOps.rope_in_gemv, rope
+            try:
+                replay, runner = ladder.decode_replay(model, batch, context, skinny=skinny)
+            finally:
+                FusedOps.rope_in_gemv = before
             cases[name] = replay
             keep.append(runner)
             table = kernel_census(replay)
@@ -71,8 +80,13 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
                          "kernels": census[f"B{batch} {name}"]["kernels"], **cost,
                          "l2": l2_statement(cost["bytes"], dev)})  # the weights alone: 2+ GB
         gain = timed.ratio("cublas", "skinny")
-        rows[-1]["skinny_gain"] = gain.median
-        rows[-1]["skinny_gain_low"], rows[-1]["skinny_gain_high"] = gain.low, gain.high
+        skinny_row = next(r for r in rows if r["batch"] == batch and r["matmuls"] == "skinny")
+        skinny_row["skinny_gain"] = gain.median
+        skinny_row["skinny_gain_low"], skinny_row["skinny_gain_high"] = gain.low, gain.high
+        if "skinny, rope in gemv" in cases:
+            rope_gain = timed.ratio("skinny", "skinny, rope in gemv")
+            rows[-1] |= {"rope_gain": rope_gain.median, "rope_gain_low": rope_gain.low,
+                         "rope_gain_high": rope_gain.high}
         del cases, keep, timed
         free_memory(dev)
     return {"rows": rows, "census": census, "copy_gbps": copy_gbps,
@@ -150,7 +164,7 @@ def tune(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(chosen)
 
 
-def main(out: Path | None, with_linears: bool, batches) -> dict:
+def main(out: Path | None, with_linears: bool, batches, rope_in_gemv: bool = False) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("decode_floor needs a CUDA device: it replays CUDA Graphs")
     print(describe())
@@ -164,7 +178,7 @@ def main(out: Path | None, with_linears: bool, batches) -> dict:
         print("\n".join(f"L2: {line}" for line in dict.fromkeys(table.l2)))
         results["linears"] = table.drop(columns="config").to_dict(orient="list")
         results["tuned"] = chosen.to_dict(orient="list")
-    floor = decode_floor(model, batches)
+    floor = decode_floor(model, batches, rope_in_gemv=rope_in_gemv)
     results.update(floor)
     df = pd.DataFrame(floor["rows"])
     print(f"copy bandwidth {floor['copy_gbps']:.0f} GB/s; L2: {floor['copy_l2']}")
@@ -189,5 +203,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--linears", action="store_true", help="each projection alone too")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--rope-in-gemv", action="store_true",
+                        help="at batch 1, race RoPE folded into the q/k/v GEMV too")
     args = parser.parse_args()
-    main(args.out, args.linears, tuple(args.batches))
+    main(args.out, args.linears, tuple(args.batches), args.rope_in_gemv)

@@ -16,6 +16,11 @@ ops a Llama layer runs around its matmuls:
 
 Two kernels: one row runs ``_gemv_kernel`` (multiply-adds on the CUDA cores; ``gemv=False``
 forces the other), 2 to 16 rows ``_skinny_kernel`` (a 16-row ``tl.dot`` tile).
+On Hopper the one-row GEMV launches as a programmatic dependent (``pdl``, ``kernels/pdl.py``):
+it loads its first chunk of weights, which no kernel writes, before it waits for the kernel
+ahead. ``rope=(positions, inv_freq, num_q_heads, num_kv_heads)`` folds RoPE into a one-row q/k/v
+GEMV: a program then owns one rotation pair (features i and i + head_dim/2 of a q or k head) and
+rotates it before storing, as ``layer_ops.rope_`` would rotate the stored projection.
 
 Rounding follows the eager ops (``add_rms_norm_ref``, ``silu_mul_ref``): the residual sum and the
 normed input are rounded to the model's dtype before the matmul reads them, the gate is rounded
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from labkit.kernels.grid import cdiv
-from labkit.kernels.layer_ops import add_rms_norm_ref, silu_mul_ref
+from labkit.kernels.layer_ops import add_rms_norm_ref, rope_, silu_mul_ref
 from labkit.kernels.pdl import launch_options, pdl_for
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -115,13 +120,23 @@ def _gemv_input(X, R, NormW, ks, k_ok, inv_rms, NORM: tl.constexpr, HAS_RESIDUAL
 
 
 @triton.jit
-def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NORM: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos, InvFreq,
+                 rope_pairs, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 ROPE: tl.constexpr, HALF: tl.constexpr):
     # One row: multiply-adds on the CUDA cores, no 16-row tensor-core tile to fill with padding,
     # so a program holds less and more of them fit on each SM.
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    two = tl.arange(0, BLOCK_N)
+    if ROPE:
+        # q/k/v with RoPE folded in (BLOCK_N = 2): each of the first ``rope_pairs`` programs owns
+        # one rotation pair of a q or k head, features i and i + HALF of head h; the rest take
+        # two neighbouring v features.
+        pair = tl.minimum(pid, rope_pairs - 1)
+        rope_cols = (pair // HALF) * 2 * HALF + pair % HALF + two * HALF
+        cols = tl.where(pid < rope_pairs, rope_cols, 2 * rope_pairs + (pid - rope_pairs) * 2 + two)
+    else:
+        cols = pid * BLOCK_N + two
     col_ok = cols < N
     dtype = W.dtype.element_ty
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -177,6 +192,15 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, NOR
         out = act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)
     else:
         out = acc
+    if ROPE:  # rotate the pair as _rope_kernel would the stored projection: rounded first
+        r = out.to(dtype).to(tl.float32)
+        a = tl.sum(tl.where(two == 0, r, 0.0), 0)
+        b = tl.sum(tl.where(two == 1, r, 0.0), 0)
+        angle = tl.load(Pos).to(tl.float32) * tl.load(InvFreq + pair % HALF)
+        cos = tl.cos(angle).to(dtype).to(tl.float32)
+        sin = tl.sin(angle).to(dtype).to(tl.float32)
+        rotated = tl.where(two == 0, a * cos - b * sin, b * cos + a * sin)
+        out = tl.where(pid < rope_pairs, rotated, r)
     tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
 
 
@@ -200,6 +224,22 @@ def default_tile(one_row: bool, k: int) -> dict:
     return DEFAULT[one_row] | (LONG_ROWS if one_row and k >= LONG_K else {})
 
 
+def check_rope(rope, n: int, gated: bool, rows: int) -> None:
+    """``rope=(positions, inv_freq, num_q_heads, num_kv_heads)`` for a q/k/v weight of ``n``
+    rows: a clear error before any launch."""
+    if gated or len(rope) != 4:
+        raise ValueError("rope=(positions, inv_freq, num_q_heads, num_kv_heads) goes with a q/k/v "
+                         "projection, not gated=True")
+    positions, inv_freq, hq, hkv = rope
+    width = (hq + 2 * hkv) * 2 * inv_freq.numel()
+    if n != width:
+        raise ValueError(f"rope: a q/k/v weight of (Hq + 2 Hkv) * head_dim = {width} rows for "
+                         f"{hq} q heads, {hkv} kv heads and head_dim {2 * inv_freq.numel()}, "
+                         f"got {n}")
+    if positions.shape != (rows,):
+        raise ValueError(f"rope: positions must be [rows={rows}], got {tuple(positions.shape)}")
+
+
 SHARED_BYTES = 160 * 2**10  # of the 227 KiB an H100/H200 SM has, for the pipelined tiles
 
 
@@ -217,7 +257,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
                   gated: bool = False, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   gemv: bool | None = None, block_k: int | None = None,
-                  pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  pdl: bool | None = None, rope: tuple | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [M <= 16, K] (rows contiguous); weight: [N, K] (``[2 N, K]`` when ``gated``) ->
     (out [M, N], new residual or None).
 
@@ -227,7 +268,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
 
     The tile (``block_n``, ``num_warps``, ``num_stages``, ``gemv``, ``block_k``) and ``pdl``
     (one row: launch as a programmatic dependent where the GPU has it): each one not given comes
-    from ``TUNED`` for this shape (one row or more, N, K, gated), else ``default_tile``."""
+    from ``TUNED`` for this shape (one row or more, N, K, gated), else ``default_tile``.
+
+    ``rope=(positions, inv_freq, num_q_heads, num_kv_heads)``: ``weight`` is a fused q/k/v
+    projection and its q and k heads come back rotated, as ``rope_`` would rotate them: for one
+    row inside the GEMV (each program then owns one rotation pair), otherwise by ``rope_`` after
+    the matmul."""
     if x.dim() != 2 or weight.dim() != 2 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with contiguous rows, "
                          f"got x {tuple(x.shape)} strides {x.stride()}, weight "
@@ -254,6 +300,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
     if block_n < smallest or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {smallest} (tl.dot's smallest tile "
                          f"is 16; one row runs without it), got {block_n}")
+    if rope is not None:
+        check_rope(rope, weight.shape[0], gated, rows)
     if norm_weight is None and residual is not None:
         raise ValueError("residual is added before the norm: pass norm_weight with it")
     if norm_weight is not None and norm_weight.shape != (k,):
@@ -275,11 +323,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
         if rows == 1 and gemv:
             pdl = tuned.get("pdl", False) if pdl is None else pdl
             pdl = pdl and pdl_for(x.device)
-            _gemv_kernel[(cdiv(n, block_n),)](
+            positions, inv_freq, heads = (rope[0], rope[1], rope[2] + rope[3]) if rope else \
+                (x, x, 0)
+            half = inv_freq.numel() if rope else 1
+            _gemv_kernel[(cdiv(n, 2) if rope else cdiv(n, block_n),)](
                 x, r, norm_weight if norm else x, weight, out, ro, n, k, weight.stride(0), n,
-                eps, NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n,
+                eps, positions, inv_freq, heads * half, NORM=norm,
+                HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=2 if rope else block_n,
                 BLOCK_K=min(block_k or 512, max(16, triton.next_power_of_2(k))), PDL=pdl,
-                num_warps=num_warps, num_stages=num_stages,
+                ROPE=rope is not None, HALF=half, num_warps=num_warps, num_stages=num_stages,
                 **launch_options(pdl))
             return out, new_residual
         bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
@@ -290,6 +342,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
             BLOCK_K=min(bk, block_k) if block_k else bk, num_warps=num_warps, num_stages=num_stages,
             # float32 as F.linear computes it (tl.dot would take TF32): the same greedy tokens
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if rope and rows:  # more than one row (or gemv=False): the matmul, then RoPE's own kernel
+        rope_(out, *rope)
     return out, new_residual
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import labkit  # noqa: F401  (interpreter before triton)
-from labkit.engine import LLM, ModelConfig, SamplingParams
+from labkit.engine import LLM, ModelConfig, SamplingParams, random_model
 from labkit.engine.model import FusedOps, skinny_matmuls
 from labkit.kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_ref
 
@@ -199,3 +199,88 @@ def test_gpu_a_chain_of_pdl_launches_reads_each_kernels_output_eager_and_replaye
     for got, want, what in ((eager, ref, "eager"), (replayed, new_ref, "replayed")):
         close(got[0], want[0], dt, f"seed {seed}: {what} output")
         close(got[1], want[1], dt, f"seed {seed}: {what} residual")
+
+
+def rope_case(rows, hq, hkv, d, k, g):
+    from labkit.engine.model import rope_inv_freq
+    x, w, kw = case(rows, (hq + 2 * hkv) * d, k, norm=True, residual=True, gated=False, g=g)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    return x, w, kw, (positions, rope_inv_freq(d, 10000.0), hq, hkv)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rope_folded_into_the_qkv_gemv_rotates_as_rope_does(rows):
+    """rope=: one row rotates q and k inside the GEMV (a program per rotation pair), more rows
+    run rope_ after the matmul; either way the result is skinny_linear then rope_, bit for bit
+    in float32, with v untouched and the residual as without rope."""
+    from labkit.kernels.layer_ops import rope_
+    rng = random.Random(seed := fresh_seed())
+    g = torch.Generator().manual_seed(seed)
+    for hq, hkv, d in ((4, 2, 16), (3, 1, 8), (2, 2, 32), (1, 1, 2)):
+        x, w, kw, rope = rope_case(rows, hq, hkv, d, rng.randint(1, 90), g)
+        (got, res), (plain, plain_res) = skinny_linear(x, w, rope=rope, **kw), \
+            skinny_linear(x, w, **kw)
+        want = rope_(plain.clone(), *rope)
+        assert torch.equal(got, want), f"seed {seed}: Hq {hq} Hkv {hkv} D {d}"
+        assert torch.equal(res, plain_res)
+        v = (hq + hkv) * d
+        assert torch.equal(got[:, v:], plain[:, v:]), "v is not rotated"
+        assert not torch.equal(got[:, :v], plain[:, :v]), "q and k are"
+
+
+def test_rope_needs_a_qkv_weight_and_one_position_a_row():
+    g = torch.Generator().manual_seed(0)
+    x, w, kw, rope = rope_case(1, 2, 1, 8, 16, g)
+    with pytest.raises(ValueError, match="got 31"):
+        skinny_linear(x, w[:31], rope=rope, **kw)
+    with pytest.raises(ValueError, match=r"positions must be \[rows=1\]"):
+        skinny_linear(x, w, rope=(torch.tensor([1, 2]), *rope[1:]), **kw)
+    with pytest.raises(ValueError, match="not gated=True"):
+        skinny_linear(x, torch.cat([w, w]), rope=rope, **(kw | {"gated": True}))
+
+
+def test_the_engine_can_fold_rope_into_its_qkv_gemv_with_the_same_tokens(monkeypatch):
+    """FusedOps.rope_in_gemv: one-token steps rotate inside the q/k/v GEMV (no rope_ launch);
+    the greedy tokens are those of the separate kernels."""
+    from labkit.kernels import layer_ops
+    cfg = ModelConfig.tiny()
+    prompts = [[random.randrange(256) for _ in range(n)] for n in (20,)]
+    params = SamplingParams(max_tokens=5)
+    rope_rows = []
+    real = layer_ops.rope_
+
+    def counted(qkv, *a, **kw):
+        rope_rows.append(qkv.shape[0])
+        return real(qkv, *a, **kw)
+    monkeypatch.setattr(layer_ops, "rope_", counted)
+
+    def run():
+        llm = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    separate = run()
+    assert 1 in rope_rows, "one-token steps ran rope_ on their own"
+    model = random_model(cfg, seed=0, dtype=torch.float32)
+    layer, x = model.layers[0], torch.randn(1, cfg.hidden_size)
+    rotary = FusedOps.rotary(torch.tensor([11]), model.inv_freq)
+    apart = layer.before_attention(x, None, rotary, FusedOps)
+    rope_rows.clear()
+    monkeypatch.setattr(FusedOps, "rope_in_gemv", True)
+    folded = layer.before_attention(x, None, rotary, FusedOps)
+    assert all(torch.equal(a, b) for a, b in zip(apart, folded)), "q, k, v and the residual"
+    assert run() == separate
+    assert rope_rows and 1 not in rope_rows, f"one-token steps rotate in the GEMV: {rope_rows}"
+
+
+@pytest.mark.gpu
+def test_gpu_rope_folded_into_the_qkv_gemv_at_llama_widths():
+    """bf16 on the GPU, bench_1b's q/k/v (32 q heads, 8 kv heads, head_dim 64, K 2,048), the
+    GEMV launched as a programmatic dependent: the same as the matmul then rope_."""
+    from labkit.kernels.layer_ops import rope_
+    g = torch.Generator().manual_seed(seed := fresh_seed())
+    x, w, kw, rope = rope_case(1, 32, 8, 64, 2048, g)
+    x, w = x.cuda().bfloat16(), w.cuda().bfloat16()
+    kw = {k: (v.cuda().bfloat16() if torch.is_tensor(v) else v) for k, v in kw.items()}
+    rope = (rope[0].cuda(), rope[1].cuda(), *rope[2:])
+    got = skinny_linear(x, w, rope=rope, **kw)[0]
+    want = rope_(skinny_linear(x, w, **kw)[0], *rope)
+    close(got, want, torch.bfloat16, f"seed {seed}")

@@ -86,6 +86,13 @@ class PlainOps:
         cos, sin = rotary
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    @classmethod
+    def norm_qkv_rope(cls, x, residual, norm_weight, weight, eps, rotary, num_q_heads: int,
+                      num_kv_heads: int):
+        """(q, k, v, the new residual): the norm, the q/k/v projection and RoPE on q and k."""
+        qkv, residual = cls.norm_linear(x, residual, norm_weight, weight, eps)
+        return (*cls.rope_qkv(qkv, rotary, num_q_heads, num_kv_heads), residual)
+
 
 class FusedOps(PlainOps):
     """The same ops as three Triton kernels (``kernels/layer_ops.py``): about 10 kernels a layer
@@ -96,10 +103,13 @@ class FusedOps(PlainOps):
     stream. By default that is one-token steps (batch-1 decode): replayed on the H200 it beats
     cuBLAS (07a's ladder in ``recorded_data/prefill_vs_decode.json``, and
     ``benchmarks/decode_floor.py``), while its 16-row kernel lost at batch 8.
-    ``skinny_matmuls(True)`` extends it to 16 rows, ``skinny_matmuls(False)`` turns it off."""
+    ``skinny_matmuls(True)`` extends it to 16 rows, ``skinny_matmuls(False)`` turns it off.
+    ``rope_in_gemv`` (off until measured: ``benchmarks/decode_floor.py --rope-in-gemv``) rotates a
+    one-token step's q and k inside its q/k/v GEMV, one kernel fewer a layer."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm)
     silu_mul = staticmethod(layer_ops.silu_mul)
     skinny_rows = 1
+    rope_in_gemv = False  # one row: RoPE inside the q/k/v GEMV, one kernel fewer a layer
 
     @classmethod
     def _skinny(cls, x: torch.Tensor) -> bool:
@@ -132,6 +142,16 @@ class FusedOps(PlainOps):
         return split_heads(layer_ops.rope_(qkv, positions, inv_freq, num_q_heads, num_kv_heads),
                            num_q_heads, num_kv_heads)
 
+    @classmethod
+    def norm_qkv_rope(cls, x, residual, norm_weight, weight, eps, rotary, num_q_heads: int,
+                      num_kv_heads: int):
+        if cls.rope_in_gemv and cls._skinny(x) and x.shape[0] == 1:
+            qkv, residual = skinny_linear(x, weight, residual=residual, norm_weight=norm_weight,
+                                          eps=eps, rope=(*rotary, num_q_heads, num_kv_heads))
+            return (*split_heads(qkv, num_q_heads, num_kv_heads), residual)
+        return super().norm_qkv_rope(x, residual, norm_weight, weight, eps, rotary, num_q_heads,
+                                     num_kv_heads)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None):
@@ -159,10 +179,8 @@ class DecoderLayer(nn.Module):
         depends on where a token's sequence starts or what it attends to: only the token
         count fixes the shapes, which is what a piecewise graph keys on."""
         c = self.config
-        qkv, residual = ops.norm_linear(x, residual, self.input_norm, self.qkv_proj,
-                                        c.rms_norm_eps)
-        q, k, v = ops.rope_qkv(qkv, rotary, c.num_attention_heads, c.num_key_value_heads)
-        return q, k, v, residual
+        return ops.norm_qkv_rope(x, residual, self.input_norm, self.qkv_proj, c.rms_norm_eps,
+                                 rotary, c.num_attention_heads, c.num_key_value_heads)
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor, ops
                         ) -> tuple[torch.Tensor, torch.Tensor]:
