@@ -5,9 +5,9 @@ of them the GPU idles: the last programs of one kernel drain, then the next kern
 are scheduled and issue their first loads. On Hopper (sm_90) a kernel launched as a
 *programmatic dependent* may start before the kernel ahead of it in the stream has finished:
 
-* the kernel ahead calls ``gdc_launch_dependents()`` (griddepcontrol.launch_dependents) once
-  its programs have started: from then on the next kernel's programs may take the SMs it
-  leaves;
+* the kernel ahead calls ``gdc_launch_dependents()`` (griddepcontrol.launch_dependents); once
+  every one of its programs has called it (or exited), the next kernel's programs may be
+  scheduled on the SMs it leaves;
 * the dependent calls ``gdc_wait()`` (griddepcontrol.wait) before it reads anything the kernel
   ahead wrote: it returns once that kernel has finished and its writes are visible. Whatever
   no kernel of the step writes (weights) it may load before waiting.
@@ -22,6 +22,7 @@ compiled Triton on sm_90+, unless ``pdl_launches(False)`` turned it off).
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import labkit  # noqa: F401  (before triton: interpreter on where there is no GPU)
@@ -34,6 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENABLED = True
 
 
+@functools.lru_cache(maxsize=None)  # asked at every launch: an eager step launches hundreds
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled Triton on a Hopper (sm_90) or newer GPU."""
     return (device.type == "cuda" and not interpreter_on()
