@@ -26,6 +26,18 @@ def close(a, b, dtype, what):
     assert err <= TOL[dtype] * scale, f"{what}: max error {err:.2e} (scale {scale:.2f})"
 
 
+def rows_of_each_call(monkeypatch, module, name: str) -> list[int]:
+    """Wrap ``module.name`` (a function of a [rows, ...] tensor first) so each call appends its
+    row count to the returned list, then runs it."""
+    rows, real = [], getattr(module, name)
+
+    def counted(x, *a, **kw):
+        rows.append(x.shape[0])
+        return real(x, *a, **kw)
+    monkeypatch.setattr(module, name, counted)
+    return rows
+
+
 def case(rows, n, k, *, norm, residual, gated, dtype=torch.float32, device="cpu", g=None):
     x = torch.randn(rows, k, generator=g).to(device, dtype)
     w = (torch.randn((2 if gated else 1) * n, k, generator=g) / k ** 0.5).to(device, dtype)
@@ -109,13 +121,7 @@ def test_the_fused_model_uses_it_for_small_steps_only(monkeypatch):
     the default comes back after each block. A prompt's rows run cuBLAS. The tokens are the
     same every way."""
     import labkit.engine.model as model_module
-    calls = []
-    real = model_module.skinny_linear
-
-    def counted(x, *a, **kw):
-        calls.append(x.shape[0])
-        return real(x, *a, **kw)
-    monkeypatch.setattr(model_module, "skinny_linear", counted)
+    calls = rows_of_each_call(monkeypatch, model_module, "skinny_linear")
     cfg = ModelConfig.tiny()
     prompts = [[random.randrange(256) for _ in range(n)] for n in (20, 3)]
     params = SamplingParams(max_tokens=4)
@@ -246,13 +252,7 @@ def test_the_engine_can_fold_rope_into_its_qkv_gemv_with_the_same_tokens(monkeyp
     cfg = ModelConfig.tiny()
     prompts = [[random.randrange(256) for _ in range(n)] for n in (20,)]
     params = SamplingParams(max_tokens=5)
-    rope_rows = []
-    real = layer_ops.rope_
-
-    def counted(qkv, *a, **kw):
-        rope_rows.append(qkv.shape[0])
-        return real(qkv, *a, **kw)
-    monkeypatch.setattr(layer_ops, "rope_", counted)
+    rope_rows = rows_of_each_call(monkeypatch, layer_ops, "rope_")
 
     def run():
         llm = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True)
