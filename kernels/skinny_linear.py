@@ -108,10 +108,8 @@ def _skinny_kernel(X, R, NormW, W, Out, R_out, M, N, K, stride_x, stride_r, stri
 
 
 @triton.jit
-def _gemv_input(X, R, NormW, ks, k_ok, inv_rms, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                dtype: tl.constexpr):
-    """One chunk of the row the GEMV multiplies, in float32: ``x`` (or its norm)."""
-    x = _input(X, R, ks, ks, k_ok, HAS_RESIDUAL and NORM)
+def _normed(x, NormW, ks, k_ok, inv_rms, NORM: tl.constexpr, dtype: tl.constexpr):
+    """A loaded chunk of the row the GEMV multiplies, in float32: ``x`` or its norm."""
     if NORM:
         normed = (x.to(tl.float32) * inv_rms).to(dtype)
         nw = tl.load(NormW + ks, mask=k_ok, other=0.0)
@@ -122,8 +120,8 @@ def _gemv_input(X, R, NormW, ks, k_ok, inv_rms, NORM: tl.constexpr, HAS_RESIDUAL
 @triton.jit
 def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos, InvFreq,
                  rope_pairs, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 ROPE: tl.constexpr, HALF: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                 PDL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
     # One row: multiply-adds on the CUDA cores, no 16-row tensor-core tile to fill with padding,
     # so a program holds less and more of them fit on each SM.
     pid = tl.program_id(0)
@@ -139,51 +137,58 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos
         cols = pid * BLOCK_N + two
     col_ok = cols < N
     dtype = W.dtype.element_ty
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    start = 0
+    # The first chunk of weights is loaded before anything else: no kernel writes them. With
+    # PDL (a programmatic dependent launch) this kernel starts while the kernel ahead still
+    # runs; it waits for that kernel (which wrote x) only after these loads are issued, then
+    # lets the next kernel launch, whose programs take the SMs this one's last programs leave.
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    w_ok = col_ok[:, None] & k_ok[None, :]
+    w0 = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
+    if GATED:
+        wu0 = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
+                      other=0.0)
     if PDL:
-        # Launched while the kernel ahead still runs (programmatic dependent launch). The
-        # weights are no kernel's output: load this program's first chunk of them now, wait for
-        # the kernel ahead (it wrote x) to finish, and let the next kernel launch: its programs
-        # take the SMs this kernel's last programs leave and load their weights while these end.
-        ks = tl.arange(0, BLOCK_K)
-        w_ok = col_ok[:, None] & (ks < K)[None, :]
-        w0 = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
-        if GATED:
-            wu0 = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
-                          other=0.0)
         gdc_wait()
         gdc_launch_dependents()
-        start = BLOCK_K
+    # x's first chunk, raw (x + residual where there is one): with ONE_CHUNK (K <= BLOCK_K) it
+    # is the whole row, read once for the norm's mean square and for the multiply-adds: after
+    # the wait, one round trip to L2 rather than two (the replayed bench_1b step on an H200:
+    # 1.02x, 1.02-1.02 over 7 interleaved rounds, against reading it twice).
+    x0 = _input(X, R, ks, ks, k_ok, HAS_RESIDUAL and NORM)
     inv_rms = 1.0
     if NORM:
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            ok = ks < K
-            x = _input(X, R, ks, ks, ok, HAS_RESIDUAL)
+        if ONE_CHUNK:
             if HAS_RESIDUAL:
                 if pid == 0:
-                    tl.store(R_out + ks, x, mask=ok)
-            x32 = x.to(tl.float32)
-            sq += x32 * x32
+                    tl.store(R_out + ks, x0, mask=k_ok)
+            sq = x0.to(tl.float32) * x0.to(tl.float32)
+        else:
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kc = k0 + tl.arange(0, BLOCK_K)
+                ok = kc < K
+                x = _input(X, R, kc, kc, ok, HAS_RESIDUAL)
+                if HAS_RESIDUAL:
+                    if pid == 0:
+                        tl.store(R_out + kc, x, mask=ok)
+                x32 = x.to(tl.float32)
+                sq += x32 * x32
         inv_rms = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
-    if PDL:
-        ks = tl.arange(0, BLOCK_K)
-        x32 = _gemv_input(X, R, NormW, ks, ks < K, inv_rms, NORM, HAS_RESIDUAL, dtype)
-        acc += tl.sum(w0.to(tl.float32) * x32, 1)
-        if GATED:
-            acc_up += tl.sum(wu0.to(tl.float32) * x32, 1)
-    for k0 in range(start, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x32 = _gemv_input(X, R, NormW, ks, k_ok, inv_rms, NORM, HAS_RESIDUAL, dtype)
-        w_ok = col_ok[:, None] & k_ok[None, :]
-        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
+    x32 = _normed(x0, NormW, ks, k_ok, inv_rms, NORM, dtype)
+    acc = tl.sum(w0.to(tl.float32) * x32, 1)
+    if GATED:
+        acc_up = tl.sum(wu0.to(tl.float32) * x32, 1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kc = k0 + tl.arange(0, BLOCK_K)
+        ok = kc < K
+        x32 = _normed(_input(X, R, kc, kc, ok, HAS_RESIDUAL and NORM), NormW, kc, ok, inv_rms,
+                      NORM, dtype)
+        w_ok = col_ok[:, None] & ok[None, :]
+        w = tl.load(W + cols[:, None] * stride_w + kc[None, :], mask=w_ok, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x32, 1)
         if GATED:
-            wu = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
+            wu = tl.load(W + (cols[:, None] + up_offset) * stride_w + kc[None, :], mask=w_ok,
                          other=0.0)
             acc_up += tl.sum(wu.to(tl.float32) * x32, 1)
     if GATED:
@@ -206,16 +211,17 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos
 
 # The tile per shape: DEFAULT[one row?] (LONG_ROWS over it for one row of K >= LONG_K), and
 # TUNED[(one row?, N, K, gated)] where a measurement chose one (benchmarks/decode_floor.py
-# --linears fills it for its run). One row, from decode_floor.py --linears on the H200, each
-# projection of bench_1b over its 16 layers in one graph: 2 output features a program, 2 warps,
-# K in steps of 1,024 won q/k/v, o, gate_up and lm_head (K = 2,048); down_proj's K = 8,192 went
-# from 13.6 to 10.8 us a call with one feature a program, K in steps of 2,048 (fewer serial
-# steps a program). ``pdl``: launch as a programmatic dependent (Hopper on; see _gemv_kernel):
-# the replayed batch-1 step went from 900 to 849 us (1.062x, 1.060-1.063, 7 interleaved rounds),
-# and to 803 us with the layer's other Triton kernels launched so too (07a's ladder records it).
-DEFAULT = {True: dict(block_n=2, num_warps=2, num_stages=3, gemv=True, block_k=1024, pdl=True),
+# --linears fills it for its run). One row, raced on an H200 as whole replayed bench_1b steps
+# (7 interleaved rounds each, RoPE in the q/k/v GEMV): 2 output features a program, 4 warps, K
+# in one step of 2,048 (q/k/v, o, gate_up: the whole row, read once) beat 2 warps in steps of
+# 1,024 by 1.035x (1.03-1.04); 8 warps, or 1 or 4 features a program, lost 0.6-6%. down_proj's
+# K = 8,192 runs one feature a program, 2 warps, K in steps of 2,048 (4 warps lost 1.2%; 2
+# features, or steps of 4,096, lost 0.6-1.5%). ``pdl``: launch as a programmatic dependent
+# (Hopper on; see _gemv_kernel): the replayed step went from 900 to 849 us (1.062x, 1.060-1.063,
+# 7 interleaved rounds), and to 803 us with the layer's other Triton kernels launched so too.
+DEFAULT = {True: dict(block_n=2, num_warps=4, num_stages=3, gemv=True, block_k=2048, pdl=True),
            False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
-LONG_K, LONG_ROWS = 4096, dict(block_n=1, block_k=2048)
+LONG_K, LONG_ROWS = 4096, dict(block_n=1, num_warps=2, block_k=2048)
 TUNED: dict[tuple[bool, int, int, bool], dict] = {}
 
 
@@ -326,13 +332,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
             positions, inv_freq, heads = (rope[0], rope[1], rope[2] + rope[3]) if rope else \
                 (x, x, 0)
             half = inv_freq.numel() if rope else 1
+            chunk = min(block_k or 512, max(16, triton.next_power_of_2(k)))
             _gemv_kernel[(cdiv(n, 2) if rope else cdiv(n, block_n),)](
                 x, r, norm_weight if norm else x, weight, out, ro, n, k, weight.stride(0), n,
                 eps, positions, inv_freq, heads * half, NORM=norm,
                 HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=2 if rope else block_n,
-                BLOCK_K=min(block_k or 512, max(16, triton.next_power_of_2(k))), PDL=pdl,
-                ROPE=rope is not None, HALF=half, num_warps=num_warps, num_stages=num_stages,
-                **launch_options(pdl))
+                BLOCK_K=chunk, ONE_CHUNK=k <= chunk, PDL=pdl, ROPE=rope is not None, HALF=half,
+                num_warps=num_warps, num_stages=num_stages, **launch_options(pdl))
             return out, new_residual
         bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
         _skinny_kernel[(cdiv(n, block_n),)](

@@ -78,6 +78,18 @@ def test_one_long_row_takes_its_own_tile_and_stays_exact():
               f"seed {seed}: K {k}")
 
 
+def test_one_row_in_one_chunk_or_in_several_gives_the_eager_answer():
+    """A row that fits one K step is read once for the norm and the multiply-adds; a longer one
+    in steps. Both give the eager sequence's output and new residual, K on and off the step."""
+    g = torch.Generator().manual_seed(seed := fresh_seed())
+    for k, block_k in ((64, None), (64, 64), (70, 16), (70, 128)):
+        x, w, kw = case(1, 10, k, norm=True, residual=True, gated=True, g=g)
+        got, res = skinny_linear(x, w, block_k=block_k, **kw)
+        want, want_res = skinny_linear_ref(x, w, **kw)
+        close(got, want, torch.float32, f"seed {seed}: K {k} block_k {block_k}")
+        close(res, want_res, torch.float32, f"seed {seed}: K {k} block_k {block_k} residual")
+
+
 def test_random_shapes_and_tiles():
     rng = random.Random(seed := fresh_seed())
     g = torch.Generator().manual_seed(seed)
@@ -246,9 +258,11 @@ def test_rope_needs_a_qkv_weight_and_one_position_a_row():
 
 
 def test_the_engine_can_fold_rope_into_its_qkv_gemv_with_the_same_tokens(monkeypatch):
-    """FusedOps.rope_in_gemv: one-token steps rotate inside the q/k/v GEMV (no rope_ launch);
-    the greedy tokens are those of the separate kernels."""
+    """FusedOps.rope_in_gemv (the default): one-token steps rotate inside the q/k/v GEMV (no
+    rope_ launch); the greedy tokens are those of the separate kernels."""
     from labkit.kernels import layer_ops
+    assert FusedOps.rope_in_gemv, "on by default"
+    monkeypatch.setattr(FusedOps, "rope_in_gemv", False)
     cfg = ModelConfig.tiny()
     prompts = [[random.randrange(256) for _ in range(n)] for n in (20,)]
     params = SamplingParams(max_tokens=5)

@@ -104,12 +104,13 @@ class FusedOps(PlainOps):
     cuBLAS (07a's ladder in ``recorded_data/prefill_vs_decode.json``, and
     ``benchmarks/decode_floor.py``), while its 16-row kernel lost at batch 8.
     ``skinny_matmuls(True)`` extends it to 16 rows, ``skinny_matmuls(False)`` turns it off.
-    ``rope_in_gemv`` (off until measured: ``benchmarks/decode_floor.py --rope-in-gemv``) rotates a
-    one-token step's q and k inside its q/k/v GEMV, one kernel fewer a layer."""
+    ``rope_in_gemv`` rotates a one-token step's q and k inside its q/k/v GEMV, one kernel fewer
+    a layer: the replayed bench_1b step on an H200 gained 1.011x (1.009-1.012, 5 interleaved
+    rounds; ``benchmarks/decode_floor.py --rope-kernel`` races it against RoPE's own kernel)."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm)
     silu_mul = staticmethod(layer_ops.silu_mul)
     skinny_rows = 1
-    rope_in_gemv = False  # one row: RoPE inside the q/k/v GEMV, one kernel fewer a layer
+    rope_in_gemv = True  # one row: RoPE inside the q/k/v GEMV, one kernel fewer a layer
 
     @classmethod
     def _skinny(cls, x: torch.Tensor) -> bool:
