@@ -160,6 +160,8 @@ def _unused_scale(device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device)
 
 
+LEAN_DECODE_HEAD_DIM = 64  # the widest bf16/fp16 head decoded with fp8's lean tile (below)
+
 # What ``tuning=`` may override, and the values each key allows (checked before any launch, so
 # a bad value is named here instead of surfacing as a compiler or interpreter error).
 TUNING_KEYS = {  # key: (allowed values, what it sets)
@@ -195,11 +197,12 @@ def check_tuning(tuning) -> dict:
 
 
 def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: bool,
-              tuning: dict | None = None) -> tuple[dict, dict]:
+              tuning: dict | None = None, one_tile: bool = False) -> tuple[dict, dict]:
     """What ``paged_attention`` compiles for a batch: the kernel's tile constants (GROUP,
     GROUP_P, BLOCK_Q, BLOCK_N, CAUSAL, SCALED, PREFETCH) and its launch options (num_warps,
-    num_stages, maxnreg). ``labkit.lessons.attention_backends.sass`` compiles the same plan ahead
-    of time to read the machine code a GPU runs."""
+    num_stages, maxnreg). ``one_tile``: no program reads more than one key tile (a split plan
+    can make it so). ``labkit.lessons.attention_backends.sass`` compiles the same plan ahead of
+    time to read the machine code a GPU runs."""
     tuning = check_tuning(tuning)
     group_p = next_power_of_2(group)
     row_cap = 32 if interpreter_on() else 64
@@ -208,13 +211,21 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
         group_p = max(group_p, 16)
     block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
     block_n = tuning.get("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
-    # fp8 tiles: two warps keep more programs resident per SM, which is what a stream of
-    # half-size tiles needs (on an H200, B64 ctx 4k, two warps are faster than four).
-    launch = {"num_warps": tuning.get("num_warps", 2 if fp8 else 4),
+    # Decode streams each key once: two warps keep more programs resident per SM, and block ids
+    # loaded a tile ahead let a program's K/V loads pipeline across its tiles. fp8 tiles (half
+    # the bytes) always; bf16 decode of heads up to 64 wide too, where programs read more than
+    # one tile. On an H200, GQA 32/8 with head_dim 64 (attention and merge, 7 interleaved rounds,
+    # read from HBM), against four warps without the prefetch: B8 at 1k keys 1.27x, B64 1.29x,
+    # B64 at 4k 1.35x (4.0 TB/s), B1 at 32k 1.18x; bench_1b's replayed decode step 1.02x at B8,
+    # 1.05x at B64. With one tile a program (B1 at 1k: 17 splits of 64 keys) the lone wave is
+    # latency-bound: the step lost 0.982x (0.978-0.983), so four warps stay. Heads 128 wide lost
+    # (B64 at 4k 0.76x, B1 at 32k 0.86x).
+    lean = fp8 or (max_query_len == 1 and head_dim <= LEAN_DECODE_HEAD_DIM and not one_tile)
+    launch = {"num_warps": tuning.get("num_warps", 2 if lean else 4),
               "num_stages": tuning.get("num_stages", 3)}
     if tuning.get("maxnreg") is not None:  # a cap on registers per thread (ptx .maxnreg)
         launch["maxnreg"] = tuning["maxnreg"]
-    prefetch = tuning.get("prefetch", fp8)
+    prefetch = tuning.get("prefetch", lean)
     # One new token per sequence (decode) sees every cached key, so its causal mask keeps them
     # all. fp8 decode is built without it: Triton then pipelines the fp8 K/V loads, a gain on
     # an H200 (B64 ctx 4k). bf16 keeps it: without it, its split path is slower (B1, 32k keys).
@@ -343,6 +354,9 @@ def plan_paged_attention(fp8: bool, num_q_heads: int, cache_shape, batch: int, m
     check_positive_int("num_splits", num_splits, hint="or None to choose")
     block_n = consts["BLOCK_N"]
     keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    if keys_per_split <= block_n:  # one key tile a program: the four-warp tile (tile_plan)
+        consts, launch = tile_plan(fp8, head_dim, num_q_heads // num_kv_heads, max_query_len,
+                                   causal, tuning, one_tile=True)
     return PagedAttentionPlan(consts, launch, (batch, num_kv_heads, q_tiles * num_splits),
                               num_splits, keys_per_split, softmax_scale(scale, head_dim), window,
                               head_dim, block_size, empty=batch == 0 or max_query_len == 0)

@@ -234,6 +234,28 @@ def test_merge_of_splits_matches_its_formula_including_empty_splits(head_dim):
     assert out[1].abs().max() == 0
 
 
+def test_decode_of_narrow_heads_takes_the_lean_tile_where_programs_read_several_tiles():
+    """bf16 decode with head_dim <= 64 runs fp8's lean tile (two warps, block ids a tile ahead)
+    unless each program reads one key tile; wider heads, prefill and ``tuning`` keep theirs."""
+    from labkit.kernels.paged_attention import LEAN_DECODE_HEAD_DIM, plan_paged_attention
+    def tile(head_dim=64, query=1, fp8=False, splits=2, tuning=None):
+        plan = plan_paged_attention(fp8, 32, (400, 16, 8, head_dim), 1, 1024, query, "cpu",
+                                    num_splits=splits, tuning=tuning)
+        return plan.launch["num_warps"], plan.consts["PREFETCH"]
+    block_n = plan_paged_attention(False, 32, (400, 16, 8, 64), 1, 1024, 1, "cpu").consts[
+        "BLOCK_N"]
+    one_tile = 1024 // block_n  # splits of one tile each
+    assert LEAN_DECODE_HEAD_DIM == 64
+    assert tile() == (2, True), "several tiles a program: lean"
+    assert tile(splits=one_tile) == (4, False), "one tile a program: four warps"
+    assert tile(splits=one_tile // 2) == (2, True), "two tiles a program: lean"
+    assert tile(head_dim=128) == (4, False), "wider heads keep four warps"
+    assert tile(query=5) == (4, False), "verify and prefill keep theirs"
+    assert tile(fp8=True) == tile(fp8=True, splits=one_tile) == (2, True), "fp8 always lean"
+    assert tile(tuning={"num_warps": 8}) == (8, True), "tuning wins"
+    assert tile(splits=one_tile, tuning={"prefetch": True}) == (4, True), "tuning wins"
+
+
 def test_split_is_chosen_only_when_the_gpu_would_be_underfilled():
     assert choose_num_splits(64 * 8, 4096, 132) == 1, "512 programs fill 132 SMs"
     assert choose_num_splits(8, 32768, 132) > 8, "8 programs over 32k keys must split"
