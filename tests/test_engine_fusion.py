@@ -43,7 +43,7 @@ def test_kernels_are_named_by_what_they_do():
     assert fam("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "matmul"
     assert fam("paged_attention_kernel") == fam("_merge_splits_kernel") == "attention"
     assert fam("store_kv_kernel") == "KV store"
-    assert fam("_gemv_kernel") == "hand-fused: matmul with norm / SiLU x up (one row)"
+    assert fam("_gemv_kernel") == "hand-fused: matmul with norm / RoPE / SiLU x up (one row)"
     assert fam("void at::native::vectorized_elementwise_kernel<4>") == "torch op"
     counts = ef.census_table(NAMES)
     assert counts.loc["torch op", EAGER] == 6 and counts.loc["torch op", IND] == 0
@@ -61,6 +61,11 @@ def test_the_census_claims_hold_and_fail_on_each_perturbation():
     assert ef.rope_launches(NAMES[HAND]) == 1 and ef.rope_launches(NAMES[IND]) == 2
     one_rotation = dict(NAMES, **{IND: [n for n in NAMES[IND] if not n.endswith("neg_3")]})
     assert not ef.census_claims(one_rotation)[2].held, "as many rotations as labkit's"
+    in_gemv = dict(NAMES, **{HAND: [n for n in NAMES[HAND] if n != "_rope_kernel"]})
+    assert ef.census_claims(in_gemv)[2].held, "RoPE folded into the GEMV: no launch of its own"
+    assert "launches 0 RoPE kernels" in ef.census_claims(in_gemv)[2].text
+    none = dict(in_gemv, **{IND: [n for n in NAMES[IND] if "neg" not in n]})
+    assert not ef.census_claims(none)[2].held, "no rotation on either side"
 
 
 def test_the_step_claims_hold_only_where_every_round_agrees():

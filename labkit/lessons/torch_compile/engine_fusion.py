@@ -36,7 +36,7 @@ VARIANTS = {"eager ops": {"fused_ops": False},
 HAND_FUSED = {"_add_rms_norm_kernel": "residual add + RMSNorm", "_rope_kernel": "RoPE",
               "_silu_mul_kernel": "SiLU x up",
               # kernels/skinny_linear.py: a step of few rows, its norm and SiLU folded in
-              "_gemv_kernel": "matmul with norm / SiLU x up (one row)",
+              "_gemv_kernel": "matmul with norm / RoPE / SiLU x up (one row)",
               "_skinny_kernel": "matmul with norm / SiLU x up (up to 16 rows)"}
 MATMUL = re.compile(r"nvjet|gemm|cutlass|xmma|splitKreduce|cublas|sm90_", re.I)
 
@@ -149,10 +149,11 @@ def census_claims(names: dict, recorded=None) -> list:
         lh=left[hand], li=left[ind], recorded=recorded))
     rope = {v: rope_launches(names[v]) for v in (hand, ind)}
     made.append(claim(
-        "The reverse: labkit's RoPE kernel rotates a layer's q and k heads in one launch ({h} a "
-        "step), where Inductor's generated rotation takes {i}: it fuses the ops as the model "
-        "writes them, rotate-half once for q and once for k.",
-        0 < rope[hand] < rope[ind], h=rope[hand], i=rope[ind], recorded=recorded))
+        "The reverse: the hand-fused path launches {h} RoPE kernels a step (at batch 1 its "
+        "q/k/v GEMV rotates each pair of q and k features before storing them; with more rows "
+        "one launch a layer rotates q and k together), where Inductor's generated rotation "
+        "takes {i}: it fuses the ops as the model writes them, rotate-half once for q and once "
+        "for k.", rope[hand] < rope[ind], h=rope[hand], i=rope[ind], recorded=recorded))
     return made
 
 
