@@ -290,6 +290,24 @@ def test_gpu_paged_bf16_mixed_batch_relative_error_below_1e_2(block_size, num_sp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch, context", [(1, 1024), (8, 1024), (64, 4096), (1, 32768)])
+def test_gpu_bf16_decode_of_narrow_heads_matches_reference_on_either_tile(batch, context):
+    """bench_1b's heads (GQA 32/8, head_dim 64): where programs read several key tiles the plan
+    takes the lean tile (two warps, block ids a tile ahead), at one tile a program four warps;
+    both agree with the float64 reference."""
+    from labkit.kernels.paged_attention import plan_paged_attention
+    seed = fresh_seed()
+    q, k, v, table, cu, lens = paged([1] * batch, [context - 3 * i for i in range(batch)], 32, 8,
+                                     64, 16, torch.bfloat16, seed, "cuda")
+    plan = plan_paged_attention(False, 32, k.shape, batch, table.shape[1] * 16, 1, q.device)
+    several = plan.keys_per_split > plan.consts["BLOCK_N"]
+    assert (plan.launch["num_warps"], plan.consts["PREFETCH"]) == ((2, True) if several
+                                                                  else (4, False))
+    err = rel_err(plan.run(q, k, v, table, cu, lens), paged_attention_ref(q, k, v, table, cu, lens))
+    assert err < 1e-2, f"seed {seed}: B{batch} ctx {context}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("num_splits", [1, None, 5])
 def test_gpu_paged_fp8_cache_relative_error_below_1e_2(head_dim, num_splits):
