@@ -214,11 +214,12 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos
 # --linears fills it for its run). One row, raced on an H200 as whole replayed bench_1b steps
 # (7 interleaved rounds each, RoPE in the q/k/v GEMV): 2 output features a program, 4 warps, K
 # in one step of 2,048 (q/k/v, o, gate_up: the whole row, read once) beat 2 warps in steps of
-# 1,024 by 1.035x (1.03-1.04); 8 warps, or 1 or 4 features a program, lost 0.6-6%. down_proj's
-# K = 8,192 runs one feature a program, 2 warps, K in steps of 2,048 (4 warps lost 1.2%; 2
-# features, or steps of 4,096, lost 0.6-1.5%). ``pdl``: launch as a programmatic dependent
-# (Hopper on; see _gemv_kernel): the replayed step went from 900 to 849 us (1.062x, 1.060-1.063,
-# 7 interleaved rounds), and to 803 us with the layer's other Triton kernels launched so too.
+# 1,024 by 1.035x (1.03-1.04); 8 warps, or 1 or 4 features a program, lost 0.6-6.4%.
+# down_proj's K = 8,192 runs one feature a program, 2 warps, K in steps of 2,048 (4 warps lost
+# 1.2%; 8 warps in steps of 4,096 0.7%; 4 warps with 2 features or steps of 4,096 0.6-1.5%).
+# ``pdl``: launch as a programmatic dependent (Hopper on; see _gemv_kernel): the replayed step
+# went from 900 to 849 us (1.062x, 1.060-1.063, 7 interleaved rounds), and to 803 us with the
+# layer's other Triton kernels launched so too.
 DEFAULT = {True: dict(block_n=2, num_warps=4, num_stages=3, gemv=True, block_k=2048, pdl=True),
            False: dict(block_n=16, num_warps=4, num_stages=3, gemv=False)}
 LONG_K, LONG_ROWS = 4096, dict(block_n=1, num_warps=2, block_k=2048)
