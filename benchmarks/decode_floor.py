@@ -45,31 +45,25 @@ def kernel_census(fn) -> pd.DataFrame:
 
 def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5,
                  repeats: int = 20, copy_gbps: float | None = None,
-                 rope_kernel: bool = False, store_in_gemv: bool = False) -> dict:
-    """``rope_kernel``: at batch 1 another replay, the skinny one with RoPE in its own kernel
+                 rope_kernel: bool = False) -> dict:
+    """``rope_kernel``: at batch 1 a third replay, the skinny one with RoPE in its own kernel
     (``FusedOps.rope_in_gemv`` off, as before it was folded into the q/k/v GEMV), in the same
-    rounds: ``rope_gain`` is its time over the default skinny replay's. ``store_in_gemv``: at
-    batch 1 one more, with the KV store folded into the q/k/v GEMV too
-    (``FusedOps.store_in_gemv``): ``store_gain`` is the default's time over its."""
+    rounds: ``rope_gain`` is its time over the default skinny replay's."""
     dev, elem = model.embed_tokens.device, model.embed_tokens.element_size()
     copy_gbps = copy_gbps or copy_bandwidth(dev)
     rows, census = [], {}
     for batch in batches:
         cases, keep = {}, []
-        variants = [("cublas", False, {}), ("skinny", True, {})]  # FusedOps' flags as they are
+        rope_default = FusedOps.rope_in_gemv
+        variants = [("cublas", False, rope_default), ("skinny", True, rope_default)]
         if rope_kernel and batch == 1:
-            variants.append(("skinny, rope kernel", True, {"rope_in_gemv": False}))
-        if store_in_gemv and batch == 1:
-            variants.append(("skinny, store in gemv", True, {"store_in_gemv": True}))
-        for name, skinny, flags in variants:
-            before = {flag: getattr(FusedOps, flag) for flag in flags}
+            variants.append(("skinny, rope kernel", True, False))
+        for name, skinny, rope in variants:
+            before, FusedOps.rope_in_gemv = FusedOps.rope_in_gemv, rope
             try:
-                for flag, value in flags.items():
-                    setattr(FusedOps, flag, value)
                 replay, runner = ladder.decode_replay(model, batch, context, skinny=skinny)
             finally:
-                for flag, value in before.items():
-                    setattr(FusedOps, flag, value)
+                FusedOps.rope_in_gemv = before
             cases[name] = replay
             keep.append(runner)
             table = kernel_census(replay)
@@ -91,13 +85,10 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
         skinny_row = next(r for r in rows if r["batch"] == batch and r["matmuls"] == "skinny")
         skinny_row["skinny_gain"] = gain.median
         skinny_row["skinny_gain_low"], skinny_row["skinny_gain_high"] = gain.low, gain.high
-        for name, key, (slow, fast) in (
-                ("skinny, rope kernel", "rope_gain", ("skinny, rope kernel", "skinny")),
-                ("skinny, store in gemv", "store_gain", ("skinny", "skinny, store in gemv"))):
-            if name in cases:
-                g = timed.ratio(slow, fast)
-                row = next(r for r in rows if r["batch"] == batch and r["matmuls"] == name)
-                row |= {key: g.median, f"{key}_low": g.low, f"{key}_high": g.high}
+        if "skinny, rope kernel" in cases:
+            rope_gain = timed.ratio("skinny, rope kernel", "skinny")
+            rows[-1] |= {"rope_gain": rope_gain.median, "rope_gain_low": rope_gain.low,
+                         "rope_gain_high": rope_gain.high}
         del cases, keep, timed
         free_memory(dev)
     return {"rows": rows, "census": census, "copy_gbps": copy_gbps,
@@ -175,8 +166,7 @@ def tune(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(chosen)
 
 
-def main(out: Path | None, with_linears: bool, batches, rope_kernel: bool = False,
-         store_in_gemv: bool = False) -> dict:
+def main(out: Path | None, with_linears: bool, batches, rope_kernel: bool = False) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("decode_floor needs a CUDA device: it replays CUDA Graphs")
     print(describe())
@@ -190,7 +180,7 @@ def main(out: Path | None, with_linears: bool, batches, rope_kernel: bool = Fals
         print("\n".join(f"L2: {line}" for line in dict.fromkeys(table.l2)))
         results["linears"] = table.drop(columns="config").to_dict(orient="list")
         results["tuned"] = chosen.to_dict(orient="list")
-    floor = decode_floor(model, batches, rope_kernel=rope_kernel, store_in_gemv=store_in_gemv)
+    floor = decode_floor(model, batches, rope_kernel=rope_kernel)
     results.update(floor)
     df = pd.DataFrame(floor["rows"])
     print(f"copy bandwidth {floor['copy_gbps']:.0f} GB/s; L2: {floor['copy_l2']}")
@@ -218,7 +208,5 @@ if __name__ == "__main__":
     parser.add_argument("--rope-kernel", action="store_true",
                         help="at batch 1, race RoPE in its own kernel against the default "
                              "(folded into the q/k/v GEMV)")
-    parser.add_argument("--store-in-gemv", action="store_true",
-                        help="at batch 1, race the KV store folded into the q/k/v GEMV too")
     args = parser.parse_args()
-    main(args.out, args.linears, tuple(args.batches), args.rope_kernel, args.store_in_gemv)
+    main(args.out, args.linears, tuple(args.batches), args.rope_kernel)

@@ -38,8 +38,6 @@ import triton.language as tl
 from labkit.kernels.grid import cdiv
 from labkit.kernels.layer_ops import add_rms_norm_ref, rope_, silu_mul_ref
 from labkit.kernels.pdl import launch_options, pdl_for
-from labkit.kernels.skinny_checks import check_kv_cache, check_rope
-from labkit.kernels.store_kv import store_kv
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # tl.dot's smallest tile: 1 to 16 rows cost the same weight stream
@@ -121,11 +119,9 @@ def _normed(x, NormW, ks, k_ok, inv_rms, NORM: tl.constexpr, dtype: tl.constexpr
 
 @triton.jit
 def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos, InvFreq,
-                 rope_pairs, KCache, VCache, Slot, stride_cs, num_q_heads,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                 rope_pairs, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                 PDL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-                 STORE_KV: tl.constexpr):
+                 PDL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
     # One row: multiply-adds on the CUDA cores, no 16-row tensor-core tile to fill with padding,
     # so a program holds less and more of them fit on each SM.
     pid = tl.program_id(0)
@@ -152,8 +148,6 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos
     if GATED:
         wu0 = tl.load(W + (cols[:, None] + up_offset) * stride_w + ks[None, :], mask=w_ok,
                       other=0.0)
-    if STORE_KV:  # the slot is the step's metadata, no kernel's output: read it early too
-        slot = tl.load(Slot).to(tl.int64)  # -1: a padding row, nothing written
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -213,15 +207,6 @@ def _gemv_kernel(X, R, NormW, W, Out, R_out, N, K, stride_w, up_offset, eps, Pos
         rotated = tl.where(two == 0, a * cos - b * sin, b * cos + a * sin)
         out = tl.where(pid < rope_pairs, rotated, r)
     tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
-    if STORE_KV:  # and the new token's k (rotated) and v into their slot of the paged cache
-        kv_cols = cols - num_q_heads * 2 * HALF  # within k, then v: [Hkv * D] each
-        is_v = kv_cols >= rope_pairs * 2 - num_q_heads * 2 * HALF
-        where = slot * stride_cs + tl.where(is_v, kv_cols - (rope_pairs * 2
-                                                             - num_q_heads * 2 * HALF), kv_cols)
-        ok = col_ok & (kv_cols >= 0) & (slot >= 0)
-        value = out.to(KCache.dtype.element_ty)
-        tl.store(KCache + where, value, mask=ok & ~is_v)
-        tl.store(VCache + where, value, mask=ok & is_v)
 
 
 # The tile per shape: DEFAULT[one row?] (LONG_ROWS over it for one row of K >= LONG_K), and
@@ -246,6 +231,22 @@ def default_tile(one_row: bool, k: int) -> dict:
     return DEFAULT[one_row] | (LONG_ROWS if one_row and k >= LONG_K else {})
 
 
+def check_rope(rope, n: int, gated: bool, rows: int) -> None:
+    """``rope=(positions, inv_freq, num_q_heads, num_kv_heads)`` for a q/k/v weight of ``n``
+    rows: a clear error before any launch."""
+    if gated or len(rope) != 4:
+        raise ValueError("rope=(positions, inv_freq, num_q_heads, num_kv_heads) goes with a q/k/v "
+                         "projection, not gated=True")
+    positions, inv_freq, hq, hkv = rope
+    width = (hq + 2 * hkv) * 2 * inv_freq.numel()
+    if n != width:
+        raise ValueError(f"rope: a q/k/v weight of (Hq + 2 Hkv) * head_dim = {width} rows for "
+                         f"{hq} q heads, {hkv} kv heads and head_dim {2 * inv_freq.numel()}, "
+                         f"got {n}")
+    if positions.shape != (rows,):
+        raise ValueError(f"rope: positions must be [rows={rows}], got {tuple(positions.shape)}")
+
+
 SHARED_BYTES = 160 * 2**10  # of the 227 KiB an H100/H200 SM has, for the pipelined tiles
 
 
@@ -263,8 +264,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
                   gated: bool = False, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   gemv: bool | None = None, block_k: int | None = None,
-                  pdl: bool | None = None, rope: tuple | None = None,
-                  kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  pdl: bool | None = None, rope: tuple | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [M <= 16, K] (rows contiguous); weight: [N, K] (``[2 N, K]`` when ``gated``) ->
     (out [M, N], new residual or None).
 
@@ -279,10 +280,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
     ``rope=(positions, inv_freq, num_q_heads, num_kv_heads)``: ``weight`` is a fused q/k/v
     projection and its q and k heads come back rotated, as ``rope_`` would rotate them: for one
     row inside the GEMV (each program then owns one rotation pair), otherwise by ``rope_`` after
-    the matmul. ``kv_cache=(k_cache, v_cache, slot_mapping)`` with ``rope``: the rotated k and
-    the v of each row also go into their slot of the paged cache (``[num_blocks, block_size,
-    num_kv_heads, head_dim]``, the model's dtype; slot -1 writes nothing), as ``store_kv`` would
-    store them: for one row from the GEMV's own programs, otherwise by ``store_kv``."""
+    the matmul."""
     if x.dim() != 2 or weight.dim() != 2 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with contiguous rows, "
                          f"got x {tuple(x.shape)} strides {x.stride()}, weight "
@@ -311,8 +309,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
                          f"is 16; one row runs without it), got {block_n}")
     if rope is not None:
         check_rope(rope, weight.shape[0], gated, rows)
-    if kv_cache is not None:
-        check_kv_cache(kv_cache, rope, x, rows)
     if norm_weight is None and residual is not None:
         raise ValueError("residual is added before the norm: pass norm_weight with it")
     if norm_weight is not None and norm_weight.shape != (k,):
@@ -338,14 +334,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
                 (x, x, 0)
             half = inv_freq.numel() if rope else 1
             chunk = min(block_k or 512, max(16, triton.next_power_of_2(k)))
-            k_cache, v_cache, slots = kv_cache if kv_cache is not None else (x, x, x)
             _gemv_kernel[(cdiv(n, 2) if rope else cdiv(n, block_n),)](
                 x, r, norm_weight if norm else x, weight, out, ro, n, k, weight.stride(0), n,
-                eps, positions, inv_freq, heads * half, k_cache, v_cache, slots,
-                k_cache.stride(1) if kv_cache is not None else 0, rope[2] if rope else 0,
-                NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated,
-                BLOCK_N=2 if rope else block_n, BLOCK_K=chunk, ONE_CHUNK=k <= chunk, PDL=pdl,
-                ROPE=rope is not None, HALF=half, STORE_KV=kv_cache is not None,
+                eps, positions, inv_freq, heads * half, NORM=norm,
+                HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=2 if rope else block_n,
+                BLOCK_K=chunk, ONE_CHUNK=k <= chunk, PDL=pdl, ROPE=rope is not None, HALF=half,
                 num_warps=num_warps, num_stages=num_stages, **launch_options(pdl))
             return out, new_residual
         bk = _block_k(k, block_n, 2 if gated else 1, num_stages, x.element_size())
@@ -358,11 +351,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tens
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if rope and rows:  # more than one row (or gemv=False): the matmul, then RoPE's own kernel
         rope_(out, *rope)
-        if kv_cache is not None:  # and the store's
-            k_cache, v_cache, slots = kv_cache
-            hq, hkv, d = rope[2], rope[3], k_cache.shape[3]
-            kv = out[:, hq * d:].view(rows, 2, hkv, d)
-            store_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, check=False)
     return out, new_residual
 
 

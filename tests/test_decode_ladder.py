@@ -98,11 +98,10 @@ def test_gpu_each_rung_replays_the_engines_graph_with_fewer_kernels():
     assert all(r["ms"] > 0 and r["floor_share"] > 0 for r in got["rows"])
 
 
-def test_decode_floor_races_the_rope_kernel_and_the_store_fold_at_batch_1_only(monkeypatch):
-    """benchmarks/decode_floor.py --rope-kernel --store-in-gemv: at batch 1 a replay captured
-    with FusedOps.rope_in_gemv off and one with FusedOps.store_in_gemv on (each flag restored
-    after), each gain taken per round against the default skinny replay; other batches keep
-    their two replays."""
+def test_decode_floor_races_the_rope_kernel_at_batch_1_only(monkeypatch):
+    """benchmarks/decode_floor.py --rope-kernel: at batch 1 a third replay captured with
+    FusedOps.rope_in_gemv off (and the flag restored after), the default skinny replay's gain
+    over it taken per round; other batches keep their two replays."""
     import sys
     from pathlib import Path
 
@@ -113,7 +112,7 @@ def test_decode_floor_races_the_rope_kernel_and_the_store_fold_at_batch_1_only(m
     built = []
 
     def replay(model, batch, context, *, skinny):
-        built.append((batch, skinny, FusedOps.rope_in_gemv, FusedOps.store_in_gemv))
+        built.append((batch, skinny, FusedOps.rope_in_gemv))
         a = torch.randn(48, 48)
         return (lambda: a @ a), object()
     monkeypatch.setattr(df.ladder, "decode_replay", replay)
@@ -123,13 +122,12 @@ def test_decode_floor_races_the_rope_kernel_and_the_store_fold_at_batch_1_only(m
     monkeypatch.setattr(df, "l2_statement", lambda *a, **kw: "read from HBM")  # bench_1b: 2 GB
     model = random_model(ModelConfig.tiny(), seed=0, dtype=torch.float32)
     got = df.decode_floor(model, batches=(1, 2), context=16, rounds=3, repeats=2,
-                          copy_gbps=100.0, rope_kernel=True, store_in_gemv=True)
-    assert built == [(1, False, True, False), (1, True, True, False), (1, True, False, False),
-                     (1, True, True, True), (2, False, True, False), (2, True, True, False)]
-    assert FusedOps.rope_in_gemv is True and FusedOps.store_in_gemv is False
+                          copy_gbps=100.0, rope_kernel=True)
+    assert built == [(1, False, True), (1, True, True), (1, True, False), (2, False, True),
+                     (2, True, True)]
+    assert FusedOps.rope_in_gemv is True
     names = [(r["batch"], r["matmuls"]) for r in got["rows"]]
-    assert names == [(1, "cublas"), (1, "skinny"), (1, "skinny, rope kernel"),
-                     (1, "skinny, store in gemv"), (2, "cublas"), (2, "skinny")]
-    assert "store_gain_low" in got["rows"][3] and "store_gain" not in got["rows"][2]
+    assert names == [(1, "cublas"), (1, "skinny"), (1, "skinny, rope kernel"), (2, "cublas"),
+                     (2, "skinny")]
     assert "rope_gain_low" in got["rows"][2] and "skinny_gain" in got["rows"][1]
-    assert "rope_gain" not in got["rows"][5] and "skinny_gain" in got["rows"][5]
+    assert "rope_gain" not in got["rows"][4] and "skinny_gain" in got["rows"][4]

@@ -257,45 +257,6 @@ def test_rope_needs_a_qkv_weight_and_one_position_a_row():
         skinny_linear(x, torch.cat([w, w]), rope=rope, **(kw | {"gated": True}))
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_qkv_gemv_can_store_k_and_v_into_their_slots_as_store_kv_does(rows):
-    """kv_cache=(k_cache, v_cache, slots) beside rope=: one row stores its rotated k and its v
-    from the GEMV's programs, more rows call store_kv after rope_; either way the output and both
-    caches are those of skinny_linear(rope=) then store_kv, bit for bit in float32, and slot -1
-    writes nothing."""
-    from labkit.kernels.store_kv import store_kv_ref
-    rng = random.Random(seed := fresh_seed())
-    g = torch.Generator().manual_seed(seed)
-    for hq, hkv, d in ((4, 2, 16), (3, 1, 8), (1, 1, 2)):
-        x, w, kw, rope = rope_case(rows, hq, hkv, d, rng.randint(1, 90), g)
-        caches = [torch.randn(5, 4, hkv, d, generator=g) for _ in range(2)]
-        caches += [c.clone() for c in caches]  # the GEMV's, then the reference's
-        for slots in (torch.randperm(20, generator=g)[:rows].int(),
-                      torch.tensor([-1] * rows, dtype=torch.int64)):
-            got, res = skinny_linear(x, w, rope=rope, kv_cache=(*caches[:2], slots), **kw)
-            want, want_res = skinny_linear(x, w, rope=rope, **kw)
-            kv = want[:, hq * d:].view(rows, 2, hkv, d)
-            store_kv_ref(kv[:, 0], kv[:, 1], *caches[2:], slots)
-            what = f"seed {seed}: Hq {hq} Hkv {hkv} D {d} slots {slots.tolist()}"
-            assert torch.equal(got, want) and torch.equal(res, want_res), what
-            assert torch.equal(caches[0], caches[2]), f"{what}: k cache"
-            assert torch.equal(caches[1], caches[3]), f"{what}: v cache"
-
-
-def test_the_kv_store_needs_rope_and_a_cache_of_the_model_layout():
-    g = torch.Generator().manual_seed(0)
-    x, w, kw, rope = rope_case(1, 2, 1, 8, 16, g)
-    k, v, slots = torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8), torch.tensor([5])
-    with pytest.raises(ValueError, match="goes with rope="):
-        skinny_linear(x, w, kv_cache=(k, v, slots), **kw)
-    with pytest.raises(ValueError, match=r"v_cache must be \[num_blocks, block_size, 1, 8\]"):
-        skinny_linear(x, w, rope=rope, kv_cache=(k, torch.zeros(3, 4, 2, 8), slots), **kw)
-    with pytest.raises(ValueError, match="k_cache must be"):
-        skinny_linear(x, w, rope=rope, kv_cache=(k.half(), v, slots), **kw)
-    with pytest.raises(ValueError, match=r"slot_mapping must be int32 or int64 \[rows=1\]"):
-        skinny_linear(x, w, rope=rope, kv_cache=(k, v, torch.tensor([1, 2])), **kw)
-
-
 def test_the_engine_can_fold_rope_into_its_qkv_gemv_with_the_same_tokens(monkeypatch):
     """FusedOps.rope_in_gemv (the default): one-token steps rotate inside the q/k/v GEMV (no
     rope_ launch); the greedy tokens are those of the separate kernels."""
@@ -324,26 +285,6 @@ def test_the_engine_can_fold_rope_into_its_qkv_gemv_with_the_same_tokens(monkeyp
     assert rope_rows and 1 not in rope_rows, f"one-token steps rotate in the GEMV: {rope_rows}"
 
 
-def test_the_engine_can_store_kv_from_its_qkv_gemv_with_the_same_tokens(monkeypatch):
-    """FusedOps.store_in_gemv: one-token steps store k and v from the q/k/v GEMV (no store_kv
-    launch: the attention function offers its cache through store_target and skips its own
-    store); longer steps still call store_kv; the greedy tokens are those without it."""
-    from labkit.kvcache import paged_kv_cache
-    cfg = ModelConfig.tiny()
-    prompts = [[random.randrange(256) for _ in range(n)] for n in (20, 7)]
-    params = SamplingParams(max_tokens=5)
-
-    def run():  # labkit's Triton backend: the engine stores with the store_kv kernel
-        llm = LLM(cfg, device="cpu", dtype=torch.float32, fused_ops=True, max_num_seqs=1,
-                  backend="triton")
-        return [o.token_ids for o in llm.generate(prompts, params)]
-    plain = run()
-    stores = rows_of_each_call(monkeypatch, paged_kv_cache, "store_kv")
-    monkeypatch.setattr(FusedOps, "store_in_gemv", True)
-    assert run() == plain
-    assert stores and 1 not in stores, f"one-token steps store from the GEMV: {stores}"
-
-
 @pytest.mark.gpu
 def test_gpu_rope_folded_into_the_qkv_gemv_at_llama_widths():
     """bf16 on the GPU, bench_1b's q/k/v (32 q heads, 8 kv heads, head_dim 64, K 2,048), the
@@ -357,24 +298,3 @@ def test_gpu_rope_folded_into_the_qkv_gemv_at_llama_widths():
     got = skinny_linear(x, w, rope=rope, **kw)[0]
     want = rope_(skinny_linear(x, w, **kw)[0], *rope)
     close(got, want, torch.bfloat16, f"seed {seed}")
-
-
-@pytest.mark.gpu
-def test_gpu_the_qkv_gemv_stores_k_and_v_as_store_kv_would():
-    """bf16 on the GPU at bench_1b's widths, launched as a programmatic dependent: the slot the
-    GEMV writes holds exactly the rotated k and the v it returns, and no other slot changes."""
-    g = torch.Generator().manual_seed(seed := fresh_seed())
-    x, w, kw, rope = rope_case(1, 32, 8, 64, 2048, g)
-    x, w = x.cuda().bfloat16(), w.cuda().bfloat16()
-    kw = {k: (v.cuda().bfloat16() if torch.is_tensor(v) else v) for k, v in kw.items()}
-    rope = (rope[0].cuda(), rope[1].cuda(), *rope[2:])
-    k_cache, v_cache = (torch.randn(9, 16, 8, 64, device="cuda").bfloat16() for _ in "kv")
-    before = k_cache.clone(), v_cache.clone()
-    slot = torch.tensor([37], device="cuda", dtype=torch.int32)
-    out = skinny_linear(x, w, rope=rope, kv_cache=(k_cache, v_cache, slot), **kw)[0]
-    kv = out[:, 32 * 64:].view(2, 8, 64)
-    for cache, old, new, what in ((k_cache, before[0], kv[0], "k"),
-                                  (v_cache, before[1], kv[1], "v")):
-        flat, old = cache.view(-1, 8, 64), old.view(-1, 8, 64)
-        assert torch.equal(flat[37], new), f"seed {seed}: {what} in its slot"
-        assert torch.equal(torch.cat([flat[:37], flat[38:]]), torch.cat([old[:37], old[38:]]))

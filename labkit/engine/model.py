@@ -88,10 +88,8 @@ class PlainOps:
 
     @classmethod
     def norm_qkv_rope(cls, x, residual, norm_weight, weight, eps, rotary, num_q_heads: int,
-                      num_kv_heads: int, kv_cache=None):
-        """(q, k, v, the new residual): the norm, the q/k/v projection and RoPE on q and k.
-        ``kv_cache=(k_cache, v_cache, slot_mapping)`` offers to store k and v there too; an ops
-        class that does returns None for both, and attention does not store them again."""
+                      num_kv_heads: int):
+        """(q, k, v, the new residual): the norm, the q/k/v projection and RoPE on q and k."""
         qkv, residual = cls.norm_linear(x, residual, norm_weight, weight, eps)
         return (*cls.rope_qkv(qkv, rotary, num_q_heads, num_kv_heads), residual)
 
@@ -108,15 +106,11 @@ class FusedOps(PlainOps):
     ``skinny_matmuls(True)`` extends it to 16 rows, ``skinny_matmuls(False)`` turns it off.
     ``rope_in_gemv`` rotates a one-token step's q and k inside its q/k/v GEMV, one kernel fewer
     a layer: the replayed bench_1b step on an H200 gained 1.011x (1.009-1.012, 5 interleaved
-    rounds; ``benchmarks/decode_floor.py --rope-kernel`` races it against RoPE's own kernel).
-    ``store_in_gemv`` (off until measured: ``benchmarks/decode_floor.py --store-in-gemv``) has
-    that GEMV store the new k and v into the paged cache as well, where attention offers it
-    (``kv_cache=``), one kernel fewer again."""
+    rounds; ``benchmarks/decode_floor.py --rope-kernel`` races it against RoPE's own kernel)."""
     add_rms_norm = staticmethod(layer_ops.add_rms_norm)
     silu_mul = staticmethod(layer_ops.silu_mul)
     skinny_rows = 1
     rope_in_gemv = True  # one row: RoPE inside the q/k/v GEMV, one kernel fewer a layer
-    store_in_gemv = False  # and the KV store there too
 
     @classmethod
     def _skinny(cls, x: torch.Tensor) -> bool:
@@ -151,15 +145,11 @@ class FusedOps(PlainOps):
 
     @classmethod
     def norm_qkv_rope(cls, x, residual, norm_weight, weight, eps, rotary, num_q_heads: int,
-                      num_kv_heads: int, kv_cache=None):
+                      num_kv_heads: int):
         if cls.rope_in_gemv and cls._skinny(x) and x.shape[0] == 1:
-            store = kv_cache if cls.store_in_gemv and kv_cache is not None and \
-                kv_cache[0].dtype == x.dtype else None
             qkv, residual = skinny_linear(x, weight, residual=residual, norm_weight=norm_weight,
-                                          eps=eps, rope=(*rotary, num_q_heads, num_kv_heads),
-                                          kv_cache=store)
-            q, k, v = split_heads(qkv, num_q_heads, num_kv_heads)
-            return (q, None, None, residual) if store is not None else (q, k, v, residual)
+                                          eps=eps, rope=(*rotary, num_q_heads, num_kv_heads))
+            return (*split_heads(qkv, num_q_heads, num_kv_heads), residual)
         return super().norm_qkv_rope(x, residual, norm_weight, weight, eps, rotary, num_q_heads,
                                      num_kv_heads)
 
@@ -181,24 +171,17 @@ class DecoderLayer(nn.Module):
                 attention: AttentionFn, ops) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden], the previous block's output, not yet added to ``residual`` (the
         stream; None in the first layer) -> this layer's (x, residual). Each add is done by the
-        norm that follows it (``ops.add_rms_norm``), so a fused kernel can do both at once.
-        An attention function with a ``store_target(layer)`` offers the ops the layer's cache
-        and slots; k and v come back None where the ops stored them."""
-        target = getattr(attention, "store_target", None)
-        q, k, v, residual = self.before_attention(x, residual, rotary, ops,
-                                                  kv_cache=target and target(layer))
+        norm that follows it (``ops.add_rms_norm``), so a fused kernel can do both at once."""
+        q, k, v, residual = self.before_attention(x, residual, rotary, ops)
         return self.after_attention(attention(layer, q, k, v), residual, ops)
 
-    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rotary, ops,
-                         kv_cache=None):
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rotary, ops):
         """The layer up to attention -> (q, k, v, residual), q and k rotated. Nothing here
         depends on where a token's sequence starts or what it attends to: only the token
-        count fixes the shapes, which is what a piecewise graph keys on. ``kv_cache``: see
-        ``PlainOps.norm_qkv_rope``."""
+        count fixes the shapes, which is what a piecewise graph keys on."""
         c = self.config
         return ops.norm_qkv_rope(x, residual, self.input_norm, self.qkv_proj, c.rms_norm_eps,
-                                 rotary, c.num_attention_heads, c.num_key_value_heads,
-                                 kv_cache=kv_cache)
+                                 rotary, c.num_attention_heads, c.num_key_value_heads)
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor, ops
                         ) -> tuple[torch.Tensor, torch.Tensor]:

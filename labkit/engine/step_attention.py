@@ -69,13 +69,9 @@ class StepAttention:
             # Every new token's K/V goes in before any row reads: a prefix hit admitted in this
             # step may read blocks that another row of the same step is writing.
             # The slots come from the block manager (in range by construction): no host sync
-            # to check them, which would also stall async scheduling's overlap. k and v are
-            # None where the layer's q/k/v projection stored them itself (store_target).
-            if store and k is not None:
+            # to check them, which would also stall async scheduling's overlap.
+            if store:
                 cache.write(layer, k, v, md.slot_mapping, use_kernel=self.store_kernel,
                             check=False)
             return run(q, layer, out)
-        if store and self.store_kernel and cache.k_scale is None:  # not for an fp8 cache
-            attention.store_target = lambda layer: (cache.key_cache(layer),
-                                                    cache.value_cache(layer), md.slot_mapping)
         return attention
