@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from unittest.mock import patch
 
 import pandas as pd
 import torch
@@ -59,11 +60,8 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
         if rope_kernel and batch == 1:
             variants.append(("skinny, rope kernel", True, False))
         for name, skinny, rope in variants:
-            before, FusedOps.rope_in_gemv = FusedOps.rope_in_gemv, rope
-            try:
+            with patch.object(FusedOps, "rope_in_gemv", rope):
                 replay, runner = ladder.decode_replay(model, batch, context, skinny=skinny)
-            finally:
-                FusedOps.rope_in_gemv = before
             cases[name] = replay
             keep.append(runner)
             table = kernel_census(replay)
@@ -87,7 +85,9 @@ def decode_floor(model, batches=(1, 8, 64), context: int = 1024, rounds: int = 5
         skinny_row["skinny_gain_low"], skinny_row["skinny_gain_high"] = gain.low, gain.high
         if "skinny, rope kernel" in cases:
             rope_gain = timed.ratio("skinny, rope kernel", "skinny")
-            rows[-1] |= {"rope_gain": rope_gain.median, "rope_gain_low": rope_gain.low,
+            rope_row = next(r for r in rows
+                            if r["batch"] == batch and r["matmuls"] == "skinny, rope kernel")
+            rope_row |= {"rope_gain": rope_gain.median, "rope_gain_low": rope_gain.low,
                          "rope_gain_high": rope_gain.high}
         del cases, keep, timed
         free_memory(dev)
