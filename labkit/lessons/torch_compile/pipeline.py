@@ -3,7 +3,8 @@
 ``torch.compile(fn)`` runs four things in a row:
 
 1. **TorchDynamo** intercepts ``fn``'s frame before Python runs it, executes its bytecode
-   symbolically on fake tensors and records the tensor operations into an **FX graph** (torch-level ops: ``torch.rsqrt``, ``self.up``, ``+``).
+   symbolically on fake tensors and records the tensor operations into an **FX graph**
+   (torch-level ops: ``torch.rsqrt``, ``self.up``, ``+``).
    Whatever it cannot record ends the graph (a *graph break*: see ``graph_breaks.py``).
 2. **AOTAutograd** traces that graph down to **aten** ops (``aten.addmm``, ``aten.mean``),
    functionalises it and, when training, splits it into forward and backward graphs.
