@@ -205,7 +205,7 @@ def decode(copy_gbps, B=64, Hq=32, Hkv=8, ctx=4096, D=128, block_size=16) -> dic
         "auto": {}, "auto, launched from Python": {"graph": False},
         "checked": {"check": True, "max_query_len": None},
         "split 2": {"num_splits": 2}, "split 4": {"num_splits": 4},
-        "block_n 32": {"tuning": {"block_n": 32}},
+        "block_n 64, no prefetch": {"tuning": {"block_n": 64, "prefetch": False}},
         "block_n 128 w8": {"tuning": {"block_n": 128, "num_warps": 8}},
         "stages 4": {"tuning": {"num_stages": 4}},
         "stages 2": {"tuning": {"num_stages": 2}}}.items()}
@@ -269,6 +269,7 @@ def long_context(copy_gbps, ctx=32768, Hq=32, Hkv=8, D=128) -> dict:
         args, _, kv_bytes = _paged_inputs(B, Hq, Hkv, ctx, D, 16)
         peers = {f"B{B} {label}": _paged(args, **kw) for label, kw in {
             "split (auto)": {}, "no split": {"num_splits": 1},
+            "split, 64-key tiles, no prefetch": {"tuning": {"block_n": 64, "prefetch": False}},
             "split, launched from Python": {"graph": False}}.items()}
         for label, r in timed(peers, dict.fromkeys(peers, kv_bytes)).items():
             _add_rate(r, kv_bytes, "gbps", 1e9)

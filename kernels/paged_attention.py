@@ -20,8 +20,9 @@ conversion on recent GPUs, e4m3 -> bf16 a chain of them that costs more than the
 The query is multiplied by the softmax scale first, so it fits float16's range. fp8 tiles are
 half the bytes, so each tile's memory latency weighs twice as much: the kernel loads the block
 ids of the next tile one iteration ahead (``PREFETCH``), which frees the K/V loads of a
-dependence inside the iteration and lets Triton pipeline them. bf16 tiles already stream at
-the copy rate without it, and lose with it.
+dependence inside the iteration and lets Triton pipeline them. bf16 decode uses it too, on
+32-key tiles for heads 128 wide (``tile_plan`` gives the measured gains); prefill chunks, whose
+tiles are taller, do without.
 
 Half the bytes is not half the work. Compiled for sm90 (Triton 3.6), one 64-key iteration of
 the fp8 decode loop is ~2,560 warp instructions, about what the bf16 loop spends on the same
@@ -30,7 +31,11 @@ whose values sit key-major in the cache while P @ V sums over keys, is transpose
 byte-wide shared-memory loads (16-bit tiles get one transposing ldmatrix instead). So fp8
 decode is bound by the SMs' issue rate and latency, not by HBM: on an H200 it reads at a
 smaller share of the copy bandwidth than bf16 does (B64, ctx 4k: ``fp8`` against ``copy_gbps``
-in labkit/recorded_data/attention_backends.json).
+in labkit/recorded_data/attention_backends.json). Two rewrites that issue fewer instructions
+lost on an H200 (B64, ctx 4k, 7 interleaved rounds): V widened to float16 in registers before
+its transpose, which then goes by ldmatrix (961 instructions a warp per iteration instead of
+1,281), ran 0.86x: the extra round trip through shared memory sits on the loop's critical
+path; and scores as an fp8 x fp8 product (q quantised per row) ran 1.00x, with more error.
 """
 from __future__ import annotations
 
@@ -161,6 +166,7 @@ def _unused_scale(device) -> torch.Tensor:
 
 
 LEAN_DECODE_HEAD_DIM = 64  # the widest bf16/fp16 head decoded with fp8's lean tile (below)
+WIDE_DECODE_HEAD_DIM = 128  # the widest decoded with 32-key tiles and the prefetch (below)
 
 # What ``tuning=`` may override, and the values each key allows (checked before any launch, so
 # a bad value is named here instead of surfacing as a compiler or interpreter error).
@@ -210,7 +216,17 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
     if block_q == 1:  # decode: the rows are the group's heads, padded to the 16 tl.dot wants
         group_p = max(group_p, 16)
     block_q = max(block_q, 16 // group_p)  # tl.dot wants at least 16 rows
-    block_n = tuning.get("block_n", 16 if interpreter_on() else (64 if head_dim <= 128 else 32))
+    # bf16/fp16 decode of heads wider than the lean tile's, up to 128: 32-key tiles with block
+    # ids a tile ahead, four warps. On an H200, GQA 32/8 with head_dim 128 (attention and merge,
+    # 5 interleaved rounds, L2 flushed below 100 MB), against 64-key tiles without the prefetch,
+    # it won at each of 13 shapes: B1 at 1k 1.04x, 4k 1.13x, 32k 1.09x; B2 at 32k 1.05x; B8 at
+    # 1k 1.24x, 4k 1.15x; B16 at 4k 1.10x; B64 at 1k 1.04x, 4k 1.03x (the least, B4 at 32k,
+    # 1.02x). The prefetch without the narrower tile lost at B2 32k and larger (0.86-0.96x), the
+    # narrower tile without the prefetch lost at most shapes.
+    wide_decode = (max_query_len == 1 and not fp8
+                   and LEAN_DECODE_HEAD_DIM < head_dim <= WIDE_DECODE_HEAD_DIM)
+    block_n = tuning.get("block_n", 16 if interpreter_on() else
+                         (32 if wide_decode or head_dim > 128 else 64))
     # Decode streams each key once: two warps keep more programs resident per SM, and block ids
     # loaded a tile ahead let a program's K/V loads pipeline across its tiles. fp8 tiles (half
     # the bytes) always; bf16 decode of heads up to 64 wide too, where programs read more than
@@ -225,7 +241,7 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
               "num_stages": tuning.get("num_stages", 3)}
     if tuning.get("maxnreg") is not None:  # a cap on registers per thread (ptx .maxnreg)
         launch["maxnreg"] = tuning["maxnreg"]
-    prefetch = tuning.get("prefetch", lean)
+    prefetch = tuning.get("prefetch", lean or wide_decode)
     # One new token per sequence (decode) sees every cached key, so its causal mask keeps them
     # all. fp8 decode is built without it: Triton then pipelines the fp8 K/V loads, a gain on
     # an H200 (B64 ctx 4k). bf16 keeps it: without it, its split path is slower (B1, 32k keys).

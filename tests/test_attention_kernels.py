@@ -249,11 +249,29 @@ def test_decode_of_narrow_heads_takes_the_lean_tile_where_programs_read_several_
     assert tile() == (2, True), "several tiles a program: lean"
     assert tile(splits=one_tile) == (4, False), "one tile a program: four warps"
     assert tile(splits=one_tile // 2) == (2, True), "two tiles a program: lean"
-    assert tile(head_dim=128) == (4, False), "wider heads keep four warps"
+    assert tile(head_dim=128) == (4, True), "wider heads keep four warps, with the prefetch"
     assert tile(query=5) == (4, False), "verify and prefill keep theirs"
     assert tile(fp8=True) == tile(fp8=True, splits=one_tile) == (2, True), "fp8 always lean"
     assert tile(tuning={"num_warps": 8}) == (8, True), "tuning wins"
     assert tile(splits=one_tile, tuning={"prefetch": True}) == (4, True), "tuning wins"
+
+
+def test_decode_of_heads_128_wide_takes_32_key_tiles_with_the_prefetch(monkeypatch):
+    """bf16 decode with 64 < head_dim <= 128 (the plan a GPU gets): 32-key tiles, block ids a
+    tile ahead, four warps; prefill, fp8, heads of 256 and ``tuning`` keep theirs."""
+    from labkit.kernels import paged_attention as pa
+    monkeypatch.setattr(pa, "interpreter_on", lambda: False)
+    def tile(head_dim=128, query=1, fp8=False, tuning=None):
+        consts, launch = pa.tile_plan(fp8, head_dim, 4, query, True, tuning)
+        return consts["BLOCK_N"], launch["num_warps"], consts["PREFETCH"]
+    assert pa.WIDE_DECODE_HEAD_DIM == 128
+    assert tile() == (32, 4, True)
+    assert tile(query=5) == (64, 4, False), "verify and prefill chunks keep 64-key tiles"
+    assert tile(fp8=True) == (64, 2, True), "fp8 keeps its lean tile"
+    assert tile(head_dim=64) == (64, 2, True), "narrow heads keep the lean tile"
+    assert tile(head_dim=256) == (32, 4, False), "heads of 256: 32 keys already, no prefetch"
+    assert tile(tuning={"block_n": 64}) == (64, 4, True), "tuning wins"
+    assert tile(tuning={"prefetch": False}) == (32, 4, False), "tuning wins"
 
 
 def test_split_is_chosen_only_when_the_gpu_would_be_underfilled():
