@@ -165,17 +165,21 @@ def roofline_figure(points: pd.DataFrame, copy_gbps: float, matmul_tflops: float
     return fig
 
 
-# The speed targets of the attention kernels, stated once: (required, "must" or "aim").
+# The speed targets of the attention kernels, stated once (the open kernel issue's): what each
+# requires, and AIMS, the further marks aimed at. Each is met only when every round clears it.
 TARGETS = {
     "prefill: ours vs SDPA flash (speed ratio)": 1.2,
     "prefill: ours vs FlexAttention (speed ratio)": 1.0,
-    "prefill: ours vs SDPA cuDNN (speed ratio)": 0.9,
+    "prefill: ours vs SDPA cuDNN (speed ratio)": 1.0,
     "decode: ours, fraction of copy bandwidth": 0.8,
     "decode: ours vs SDPA flash (speed ratio)": 1.3,
-    "long context, split: fraction of copy bandwidth": 0.7,
-    "fp8 cache vs bf16 decode (speed ratio)": 1.6,
+    "long context B1, split: fraction of copy bandwidth": 0.8,
+    "long context B2, split: fraction of copy bandwidth": 0.88,
+    "long context B4, split: fraction of copy bandwidth": 0.88,
+    "fp8 cache vs bf16 decode (speed ratio)": 1.75,
 }
-AIMS = {"prefill: ours vs SDPA cuDNN (speed ratio)"}  # aimed at, not required
+AIMS = {"prefill: ours vs SDPA cuDNN (speed ratio)": 1.15,
+        "fp8 cache vs bf16 decode (speed ratio)": 1.9}
 
 
 def verdict(spread: Spread | None, required: float) -> str:
@@ -210,13 +214,15 @@ def targets(data: dict) -> pd.DataFrame:
         "fp8 cache vs bf16 decode (speed ratio)": ratio_of(bf16, fp8),
     }
     rows = []
-    for name, s in measured.items():
-        key = "long context, split: fraction of copy bandwidth" if name.startswith("long") else name
-        need = TARGETS[key]
-        rows.append({"target": name, "measured": s.median if s else math.nan,
+    marks = [(name, need, "must") for name, need in TARGETS.items()]
+    marks += [(name, need, "aim") for name, need in AIMS.items()]
+    for name, need, kind in marks:
+        s = measured[name]
+        rows.append({"target": name if kind == "must" else f"{name}: aim",
+                     "measured": s.median if s else math.nan,
                      "low": s.low if s else math.nan, "high": s.high if s else math.nan,
-                     "rounds": s.rounds if s else 0, "required": need,
-                     "kind": "aim" if key in AIMS else "must", "verdict": verdict(s, need)})
+                     "rounds": s.rounds if s else 0, "required": need, "kind": kind,
+                     "verdict": verdict(s, need)})
     df = pd.DataFrame(rows)
     df["met"] = df.verdict == "met"
     return df
