@@ -27,7 +27,14 @@ MIN_KEYS_PER_SPLIT = 64  # one 64-key tile. Few programs over a short context ar
 # batch 1 at 1,024 keys 7.7 us in 16 splits against 12.4 in 4 (1.61x), at 4,096 1.16x, batch 8
 # at 1,024 1.10x; where both rules give the same plan, the same time.
 MAX_SPLITS = 64
-MERGE_BLOCK_D = 128  # output columns per merge program (head_dim, a power of two, if narrower)
+# Output columns and warps per merge program: (64, 1) for rows up to 128 wide, (128, 4) for
+# wider ones (MLA's 512-wide latent). A merge is a few microseconds at the end of a split step,
+# bound by latency: on an H200 (7 interleaved rounds, attention and merge replayed) many light
+# programs beat fewer heavy ones for heads of 64 and 128: GQA 32/8 D128 at 32k tokens 1.02x
+# (B1) and 1.01x (B2), bench_1b's step 1.02x at B8 and 1.01x at B1 with 4k tokens (at B1 with
+# 1k, 0.999x: 0.998-1.0); MLA's rows lost with them at B1 32k over 16 heads (0.98x).
+NARROW_MERGE = (64, 1)
+WIDE_MERGE = (128, 4)
 
 
 WAVES = 4  # programs per SM wanted. A program streams its keys alone; with too few of them the
@@ -86,13 +93,14 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) ->
     if total_q == 0:
         return out
     # A program holds SPLITS_P x BLOCK_D partials in registers; MLA's 512-wide rows over 64
-    # splits would be 128 KiB, so wide rows are merged in slices of MERGE_BLOCK_D columns.
-    block_d = min(head_dim, MERGE_BLOCK_D)
+    # splits would be 128 KiB, so rows are merged in slices of block_d columns.
+    block_d, warps = NARROW_MERGE if head_dim <= 128 else WIDE_MERGE
+    block_d = min(head_dim, block_d)
     _merge_splits_kernel[(total_q, num_heads, head_dim // block_d)](
         partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_D=block_d, SPLITS_P=next_power_of_2(num_splits),
+        BLOCK_D=block_d, SPLITS_P=next_power_of_2(num_splits), num_warps=warps,
         PDL=(pdl := pdl_for(out.device)), **launch_options(pdl))
     return out
 

@@ -222,7 +222,7 @@ def test_paged_fp8_cache_matches_reference_on_the_same_fp8_values(prefetch, wind
                         f"{num_splits} splits: max error {err:.2e}")
 
 
-@pytest.mark.parametrize("head_dim", [64, 512])  # 512: MLA's rows, merged in column slices
+@pytest.mark.parametrize("head_dim", [64, 128, 512])  # 128, 512: merged in column slices
 def test_merge_of_splits_matches_its_formula_including_empty_splits(head_dim):
     g = torch.Generator().manual_seed(fresh_seed())
     partial = torch.randn(5, 3, 4, head_dim, generator=g)
