@@ -21,9 +21,9 @@ import triton.language as tl
 from labkit.kernels.grid import cdiv, next_power_of_2
 from labkit.kernels.pdl import launch_options, pdl_for, wait_for_kernel_ahead
 
-MIN_KEYS_PER_SPLIT = 64  # one 64-key tile. Few programs over a short context are bound by the
-# latency of their serial tiles, not by the split's partial write and merge. GQA 32/8 decode on
-# an H200 against one split per 256 keys (7 interleaved rounds, merge included, read from HBM):
+MIN_KEYS_PER_SPLIT = 64  # one or two key tiles. Few programs over a short context are bound by
+# the latency of their serial tiles, not by the split's partial write and merge. GQA 32/8 decode
+# on an H200 against one split per 256 keys (7 rounds, 64-key tiles then, merge included, HBM):
 # batch 1 at 1,024 keys 7.7 us in 16 splits against 12.4 in 4 (1.61x), at 4,096 1.16x, batch 8
 # at 1,024 1.10x; where both rules give the same plan, the same time.
 MAX_SPLITS = 64

@@ -17,6 +17,7 @@ from labkit.lessons.attention_backends.claims_selection import (
     selection_claims,
 )
 from labkit.lessons.attention_backends.claims_speed import (
+    decode_tile_claims,
     launch_claims,
     long_context_claims,
     roofline_claims,
@@ -150,6 +151,16 @@ def test_long_context_claims_hold_and_fail_with_batches_or_modes_swapped(data):
     lc = modes["long_context"]
     lc["B1 split (auto)"], lc["B1 no split"] = lc["B1 no split"], lc["B1 split (auto)"]
     assert held(long_context_claims(modes))[1] is False
+
+
+def test_decode_tile_claim_holds_on_the_recording_and_fails_when_the_old_tile_wins(data):
+    assert held(decode_tile_claims(data)) == [True]
+    lc = data["long_context"]
+    old = f"B2 {rl.TILE_BEFORE}"
+    lc["B2 split (auto)"], lc[old] = lc[old], lc["B2 split (auto)"]
+    assert held(decode_tile_claims(data)) == [False]
+    del lc[old]  # a recording made before the tile changed: nothing claimed
+    assert held(decode_tile_claims(data)) == []
 
 
 def test_long_context_ordering_needs_the_whole_range_apart(data):

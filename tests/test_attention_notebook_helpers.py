@@ -43,6 +43,8 @@ def test_the_roofline_uses_the_shapes_the_benchmark_measures():
     assert (d["B"], d["Hq"], d["Hkv"], d["ctx"], d["D"], d["block_size"]) == \
         tuple(rl.DECODE.values()), "decode() changed shape: update roofline.DECODE"
     assert _defaults(bench.long_context)["ctx"] == rl.LONG_CONTEXT
+    assert f'"{rl.TILE_BEFORE}"' in inspect.getsource(bench.long_context), \
+        "the long-context rows of the earlier tile are named as decode_tile_claims reads them"
 
 
 def test_decode_workload_moves_the_bytes_the_benchmark_counts():

@@ -16,6 +16,7 @@ import pandas as pd
 
 from labkit.lessons.attention_backends.roofline import (
     LONG_CONTEXT,
+    TILE_BEFORE,
     decode_workload,
     fraction_of_copy,
     prefill_workload,
@@ -122,6 +123,23 @@ def long_context_claims(data: dict, *, where: str = "", recorded=None) -> list:
               "the gap to the roof.", b1_none.above(5.0), ctx=LONG_CONTEXT, where=where,
               no=b1_no, x=b1_none, recorded=recorded),
     ]
+
+
+def decode_tile_claims(data: dict, *, where: str = "", recorded=None) -> list:
+    """The decode tile for heads 128 wide (32 keys, block ids loaded a tile ahead) against the
+    one it replaced (64 keys, block ids loaded in the iteration that uses them), per batch at
+    32k tokens, in the same rounds. Holds when it is faster in every round at batch 1 and 2."""
+    ratios = {b: ratio_of(result_of(data, "long_context", f"B{b} {TILE_BEFORE}"),
+                          result_of(data, "long_context", f"B{b} split (auto)")) for b in (1, 2, 4)}
+    if None in ratios.values():
+        return not_claimed("long_context results for the 64-key tile")
+    return [claim(
+        "At {ctx:,} tokens{where} decode's 32-key tiles, with each next tile's block ids loaded "
+        "one iteration ahead, ran {b1:.2fx} as fast as 64-key tiles without that at batch 1, "
+        "{b2:.2fx} at batch 2 and {b4:.2fx} at batch 4; tile_plan in kernels/paged_attention.py "
+        "gives every decode of heads 128 wide the 32-key tile.",
+        ratios[1].above(1.0) and ratios[2].above(1.0), ctx=LONG_CONTEXT,
+        where=where, b1=ratios[1], b2=ratios[2], b4=ratios[4], recorded=recorded)]
 
 
 def launch_claims(data: dict, *, where: str = "", tolerance: float = 0.10,

@@ -12,7 +12,8 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from labkit.lessons.attention_backends.compare import attention_io
-from labkit.lessons.attention_backends.roofline import DECODE, LONG_CONTEXT, PREFILL, TARGETS
+from labkit.lessons.attention_backends.roofline import (DECODE, LONG_CONTEXT, PREFILL, TARGETS,
+                                                       TILE_BEFORE)
 from labkit.lessons.attention_backends.sass import group_opcodes
 
 
@@ -91,9 +92,11 @@ def decode_figure(data: dict, subtitle: str = "") -> go.Figure:
 def long_context_figure(data: dict, subtitle: str = "") -> go.Figure:
     lc, copy = data["long_context"], data["copy_gbps"]
     fig = go.Figure()
-    for mode in ("split (auto)", "no split"):
+    for mode in ("split (auto)", TILE_BEFORE, "no split"):
         keys = [k for k in lc if k.endswith(mode) and "gbps" in lc[k]]
-        fig.add_bar(x=[k.split()[0] for k in keys], y=[lc[k]["gbps"] for k in keys], name=mode)
+        if keys:  # recordings made before the 32-key tile have no 64-key bars
+            fig.add_bar(x=[k.split()[0] for k in keys], y=[lc[k]["gbps"] for k in keys],
+                        name=mode)
     needs = {}  # target -> the batches it is set for
     for b in (1, 2, 4):
         needs.setdefault(TARGETS[f"long context B{b}, split: fraction of copy bandwidth"],

@@ -29,6 +29,7 @@ PREFILL = {"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128}
 DECODE = {"batch": 64, "q_heads": 32, "kv_heads": 8, "context": 4096, "head_dim": 128,
           "block_size": 16}
 LONG_CONTEXT = 32768
+TILE_BEFORE = "split, 64-key tiles, no prefetch"  # the long-context rows of the earlier tile
 
 
 def prefill_workload() -> AttentionWorkload:
