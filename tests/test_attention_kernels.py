@@ -326,6 +326,22 @@ def test_gpu_bf16_decode_of_narrow_heads_matches_reference_on_either_tile(batch,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch, context", [(1, 1000), (3, 4099), (64, 4096), (2, 32768)])
+@pytest.mark.parametrize("tuning", [None, {"block_n": 64, "prefetch": False}],
+                         ids=["32-key tile", "64-key tile"])
+def test_gpu_bf16_decode_of_heads_128_wide_matches_reference_on_either_tile(batch, context,
+                                                                            tuning):
+    """GQA 32/8 with head_dim 128: the plan's 32-key tile with block ids a tile ahead, and the
+    64-key tile it replaced, both agree with the float64 reference, split or not."""
+    seed = fresh_seed()
+    q, k, v, table, cu, lens = paged([1] * batch, [context - 5 * i for i in range(batch)], 32,
+                                     8, 128, 16, torch.bfloat16, seed, "cuda")
+    out = paged_attention(q, k, v, table, cu, lens, tuning=tuning)
+    err = rel_err(out, paged_attention_ref(q, k, v, table, cu, lens))
+    assert err < 1e-2, f"seed {seed}: B{batch} ctx {context} {tuning}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("num_splits", [1, None, 5])
 def test_gpu_paged_fp8_cache_relative_error_below_1e_2(head_dim, num_splits):
