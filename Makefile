@@ -27,7 +27,7 @@ help:
 	@echo "make proxy      install configurable-http-proxy (npm, pinned) into hub/node_modules (make hub does)"
 	@echo "make test       set up .venv if needed and run every test, notebooks included"
 	@echo "make run        execute every notebook headless into runs/<timestamp>/ with a summary"
-	@echo "make gpu-check  on a CUDA host: GPU tests, notebooks at full size, benchmarks -> gpu-results/"
+	@echo "make gpu-check  on a CUDA host: GPU tests, benchmarks, notebooks at full size -> gpu-results/"
 	@echo "make record     on a CUDA host: refresh the recorded GPU figures in labkit/recorded_data/"
 	@echo "make handouts   executed notebooks -> static HTML pages in handouts/<timestamp>/ (FROM=run folder)"
 	@echo "make reset      strip outputs and widget state from notebooks/ (between workshop groups)"

@@ -1,8 +1,10 @@
 """`make gpu-check`: on a CUDA host, everything a CPU run cannot check, into one folder.
 
-1. the GPU-marked tests, 2. every notebook with DEVICE="cuda" at full size,
-3. every benchmark in benchmarks/ (each takes ``--out DIR``). Each step's log, the executed
-notebooks, the benchmarks' CSVs and a summary land in ``--out``.
+1. the GPU-marked tests, 2. every benchmark in benchmarks/ (each takes ``--out DIR``),
+3. every notebook with DEVICE="cuda" at full size. Each step's log, the executed notebooks, the
+benchmarks' CSVs and a summary land in ``--out``. A notebook that would run a benchmark the
+run has just run reads its results instead (``labkit.tools.run_results``): the GPU times each
+thing once.
 """
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import argparse
 import json
 import subprocess
 import sys
+import os
 import time
 from pathlib import Path
+from unittest import mock
 
 import labkit
 from labkit.device import describe, fingerprint, select_device
 from labkit.tools import REPO_ROOT as ROOT
 from labkit.tools.run_notebooks import execute, notebooks, summary_table, write_claims
+from labkit.tools.run_results import run_environment
 
 
 def _step(name: str, cmd: list[str], out: Path, timeout_s: int) -> dict:
@@ -42,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--benchmarks", nargs="*", default=[], help="benchmark stems (default all)")
     args = parser.parse_args(argv)
     select_device("cuda")  # a clear error on a host with no GPU
+    started = time.time()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "fingerprint.json").write_text(json.dumps(fingerprint(), indent=1))
@@ -51,12 +57,21 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(_step("tests-gpu", [sys.executable, "-m", "pytest", "-q", "-m", "gpu",
                                          f"--junitxml={out / 'tests-gpu.xml'}", *args.tests],
                            out, 1800))
+    shared = {}  # what the notebooks may read instead of measuring again
+    if "benchmarks" not in args.skip:
+        for bench in sorted((ROOT / "benchmarks").glob("*.py")):
+            if args.benchmarks and bench.stem not in args.benchmarks:
+                continue
+            steps.append(_step(f"bench-{bench.stem}", [sys.executable, str(bench), "--out",
+                                                       str(out / "benchmarks")], out, 1200))
+        shared = run_environment(out / "benchmarks", started)
     if "notebooks" not in args.skip:
         runs = []
         for path in notebooks():
             if args.notebooks and not any(path.stem.startswith(n) for n in args.notebooks):
                 continue
-            run = execute(path, out / "notebooks", {"DEVICE": "cuda", "QUICK": False})
+            with mock.patch.dict(os.environ, shared):  # the kernel papermill starts inherits it
+                run = execute(path, out / "notebooks", {"DEVICE": "cuda", "QUICK": False})
             print(f"notebook {run.notebook}: {run.status} in {run.seconds} s {run.error[-2000:]}",
                   flush=True)
             runs.append(run)
@@ -67,12 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         steps += [{"step": f"notebook {r.notebook}", "rc": int(r.status != "ok"),
                    "seconds": r.seconds, "claims": len(r.claims),
                    "claims_failed": r.claims_failed} for r in runs]
-    if "benchmarks" not in args.skip:
-        for bench in sorted((ROOT / "benchmarks").glob("*.py")):
-            if args.benchmarks and bench.stem not in args.benchmarks:
-                continue
-            steps.append(_step(f"bench-{bench.stem}", [sys.executable, str(bench), "--out",
-                                                       str(out / "benchmarks")], out, 1200))
     (out / "summary.json").write_text(json.dumps(steps, indent=1))
     failed = [s["step"] for s in steps if s["rc"] != 0]
     print(f"gpu-check: {len(steps) - len(failed)} passed, {len(failed)} failed {failed or ''}")
