@@ -6,7 +6,8 @@
 2. paged decode B64, 32 q heads over 8 KV heads, 4k context, D128, bf16, block 16: GB/s against
    the device-copy bandwidth measured here, against SDPA flash and FlexAttention over contiguous
    KV, and the fp8 (e4m3) cache at the same shape
-3. long-context decode, batch 1..4 at 32k tokens: the split-KV path against no split
+3. long-context decode, batch 1..4 at 32k tokens: the split-KV path against no split, and
+   against 64-key tiles that load their block ids in the iteration that uses them
 4. block size (16..256) x context sweep -> attention_block_sweep.csv
 5. the registry's backends called as an engine calls them (input checks, paged gathers, masks
    built per call) at the shapes of 1 and 2: wall time beside the profiler's GPU kernel time
