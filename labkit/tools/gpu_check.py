@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
-import os
 import time
 from pathlib import Path
 from unittest import mock
