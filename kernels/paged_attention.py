@@ -221,8 +221,8 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
     # 5 interleaved rounds, L2 flushed below 100 MB), against 64-key tiles without the prefetch,
     # it won at each of 13 shapes: B1 at 1k 1.04x, 4k 1.13x, 32k 1.09x; B2 at 32k 1.05x; B8 at
     # 1k 1.24x, 4k 1.15x; B16 at 4k 1.10x; B64 at 1k 1.04x, 4k 1.03x (the least, B4 at 32k,
-    # 1.02x). The prefetch without the narrower tile lost at B2 32k and larger (0.86-0.96x), the
-    # narrower tile without the prefetch lost at most shapes.
+    # 1.02x). Each half alone lost at most shapes: the prefetch on 64-key tiles at 11 of the 13
+    # (0.81-0.99x), 32-key tiles without it at 8 (0.91-0.995x).
     wide_decode = (max_query_len == 1 and not fp8
                    and LEAN_DECODE_HEAD_DIM < head_dim <= WIDE_DECODE_HEAD_DIM)
     block_n = tuning.get("block_n", 16 if interpreter_on() else
