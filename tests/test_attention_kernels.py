@@ -237,7 +237,8 @@ def test_merge_of_splits_matches_its_formula_including_empty_splits(head_dim):
 def test_decode_of_narrow_heads_takes_the_lean_tile_where_programs_read_several_tiles():
     """bf16 decode with head_dim <= 64 runs fp8's lean tile (two warps, block ids a tile ahead)
     unless each program reads one key tile; wider heads, prefill and ``tuning`` keep theirs."""
-    from labkit.kernels.paged_attention import LEAN_DECODE_HEAD_DIM, plan_paged_attention
+    from labkit.kernels.paged_attention import plan_paged_attention
+    from labkit.kernels.paged_attention_tiles import LEAN_DECODE_HEAD_DIM
     def tile(head_dim=64, query=1, fp8=False, splits=2, tuning=None):
         plan = plan_paged_attention(fp8, 32, (400, 16, 8, head_dim), 1, 1024, query, "cpu",
                                     num_splits=splits, tuning=tuning)
@@ -259,7 +260,7 @@ def test_decode_of_narrow_heads_takes_the_lean_tile_where_programs_read_several_
 def test_decode_of_heads_128_wide_takes_32_key_tiles_with_the_prefetch(monkeypatch):
     """bf16 decode with 64 < head_dim <= 128 (the plan a GPU gets): 32-key tiles, block ids a
     tile ahead, four warps; prefill, fp8, heads of 256 and ``tuning`` keep theirs."""
-    from labkit.kernels import paged_attention as pa
+    from labkit.kernels import paged_attention_tiles as pa
     monkeypatch.setattr(pa, "interpreter_on", lambda: False)
     def tile(head_dim=128, query=1, fp8=False, tuning=None):
         consts, launch = pa.tile_plan(fp8, head_dim, 4, query, True, tuning)

@@ -35,7 +35,7 @@ def test_per_key_fp8_costs_about_what_bf16_does(loops):
 
 
 def test_the_plan_compiled_is_the_one_paged_attention_launches(loops, monkeypatch):
-    from labkit.kernels import paged_attention as pa
+    from labkit.kernels import paged_attention_tiles as pa
     monkeypatch.setattr(pa, "interpreter_on", lambda: False)  # the plan a GPU gets
     consts, launch = pa.tile_plan(True, 128, 4, max_query_len=1, causal=True)
     fp8 = loops["fp8_e4m3"]

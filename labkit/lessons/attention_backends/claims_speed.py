@@ -136,8 +136,8 @@ def decode_tile_claims(data: dict, *, where: str = "", recorded=None) -> list:
     return [claim(
         "At {ctx:,} tokens{where} decode's 32-key tiles, with each next tile's block ids loaded "
         "one iteration ahead, ran {b1:.2fx} as fast as 64-key tiles without that at batch 1, "
-        "{b2:.2fx} at batch 2 and {b4:.2fx} at batch 4; tile_plan in kernels/paged_attention.py "
-        "gives every decode of heads 128 wide the 32-key tile.",
+        "{b2:.2fx} at batch 2 and {b4:.2fx} at batch 4; the tile plan "
+        "(kernels/paged_attention_tiles.py) gives every decode of heads 128 wide the 32-key tile.",
         ratios[1].above(1.0) and ratios[2].above(1.0), ctx=LONG_CONTEXT,
         where=where, b1=ratios[1], b2=ratios[2], b4=ratios[4], recorded=recorded)]
 

@@ -3,7 +3,7 @@ ahead of time for Hopper (sm_90) and its instructions counted.
 
 Triton's wheel carries NVIDIA's assembler (ptxas) and disassembler (cuobjdump), so the whole
 path from the Python kernel to SASS, the GPU's own instruction set, runs without a GPU. The
-compile uses the tile plan ``paged_attention`` would pick (``kernels.paged_attention.tile_plan``)
+compile uses the tile plan ``paged_attention`` would pick (``kernels.paged_attention_tiles``)
 and the specialisation a launch would get (pointers and strides divisible by 16), so the loop
 counted here is the loop an H200 runs.
 
@@ -58,11 +58,11 @@ def _compile(cache: str, head_dim: int, group: int, block_size: int, arch: int) 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from labkit.kernels import paged_attention as pa
+    from labkit.kernels.paged_attention import paged_attention_kernel as kernel
+    from labkit.kernels.paged_attention_tiles import tile_plan
 
-    kernel = pa.paged_attention_kernel
     fp8 = cache == "fp8_e4m3"
-    consts, launch = pa.tile_plan(fp8, head_dim, group, max_query_len=1, causal=True)
+    consts, launch = tile_plan(fp8, head_dim, group, max_query_len=1, causal=True)
     consts.update(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, WINDOW=False, SPLIT=False,
                   num_splits=1)  # a launch specialises an int argument equal to 1
     names = kernel.arg_names
