@@ -96,3 +96,24 @@ def tile_plan(fp8: bool, head_dim: int, group: int, max_query_len: int, causal: 
     causal_mask = bool(causal) and not (fp8 and max_query_len == 1)
     return ({"GROUP": group, "GROUP_P": group_p, "BLOCK_Q": block_q, "BLOCK_N": block_n,
              "CAUSAL": causal_mask, "SCALED": fp8, "PREFETCH": prefetch}, launch)
+
+
+if __name__ == "__main__":
+    from unittest import mock
+
+    # The plan a GPU gets, here too: under the interpreter tile_plan shrinks the tiles so that
+    # small tests still loop over several of them.
+    with mock.patch.dict(globals(), interpreter_on=lambda: False):
+        print("The tile plan paged_attention compiles on a GPU, GQA 32/8:")
+        for label, fp8, head_dim, query in (("decode, bf16, head_dim 64", False, 64, 1),
+                                            ("decode, bf16, head_dim 128", False, 128, 1),
+                                            ("decode, fp8, head_dim 128", True, 128, 1),
+                                            ("verify 5 tokens, bf16, head_dim 128", False, 128, 5),
+                                            ("prefill chunk, bf16, head_dim 128", False, 128, 512)):
+            consts, launch = tile_plan(fp8, head_dim, 4, query, causal=True)
+            print(f"  {label:<37} {consts['BLOCK_Q'] * consts['GROUP_P']:>2} rows, "
+                  f"{consts['BLOCK_N']:>2}-key tiles, {launch['num_warps']} warps, "
+                  f"{launch['num_stages']} stages, block ids a tile ahead: {consts['PREFETCH']}")
+        consts, launch = tile_plan(False, 128, 4, 1, True)
+        assert (consts["BLOCK_N"], launch["num_warps"], consts["PREFETCH"]) == (32, 4, True)
+    assert check_tuning({"block_n": 32}) == {"block_n": 32}
