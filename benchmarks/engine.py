@@ -145,6 +145,7 @@ def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=Fal
         llm.generate(warm, [SamplingParams(max_tokens=1 + k % 8) for k in range(len(warm))])
         before = llm.stats
         params = [SamplingParams(max_tokens=n) for n in olens]  # greedy, no stop tokens
+        first = len(llm.step_history)
         with TritonCompiles() as compiles:  # should stay 0: the warm-up compiled them
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
@@ -164,11 +165,44 @@ def run_labkit(model, prompts, olens, cfg: BenchmarkConfig, *, enforce_eager=Fal
             steps=after.num_steps - before.num_steps,
             preemptions=after.preemptions - before.preemptions,
             prefix_hit_rate=round(hits / admitted, 4) if admitted else 0.0,
-            triton_compiles=compiles.count), \
+            triton_compiles=compiles.count,
+            step_kinds=step_kinds(llm.step_history[first:])), \
             [o.token_ids for o in outs]
     finally:
         del llm
         free_memory(model.embed_tokens.device)  # one section's cache must not crowd the next
+
+
+def step_kinds(records) -> dict:
+    """Steps, tokens and wall seconds per way a step ran (``StepRecord.graph``: "full",
+    "piecewise", "eager"...). Each step is charged the time from the previous step's end (the
+    first, from its own start) to its own end: the charges partition the run even where async
+    scheduling overlaps one step's launch with the last one's compute."""
+    kinds: dict[str, dict] = {}
+    prev = records[0].start_s if records else 0.0
+    for r in records:
+        k = kinds.setdefault(r.graph, {"steps": 0, "seconds": 0.0, "tokens": 0})
+        k["steps"] += 1
+        k["seconds"] += max(r.end_s - prev, 0.0)
+        k["tokens"] += r.stats.num_tokens
+        prev = max(prev, r.end_s)
+    return kinds
+
+
+def mode_gain_ceiling(section: dict | None) -> dict | None:
+    """From a ``full_decode_only`` pass: the share of its wall time spent in steps no full
+    decode graph replays (prefills, mixed steps), and the most any cudagraph_mode that replays
+    them could gain on this workload: the whole run over the rest, were those steps free."""
+    kinds = (section or {}).get("step_kinds")
+    if not kinds:
+        return None
+    total = sum(k["seconds"] for k in kinds.values())
+    other = sum(k["seconds"] for name, k in kinds.items() if name != "full")
+    if total <= other:  # no decode graph replayed (a CPU's run): no ceiling to give
+        return None
+    return {"steps": sum(k["steps"] for name, k in kinds.items() if name != "full"),
+            "of_steps": sum(k["steps"] for k in kinds.values()), "share": other / total,
+            "ceiling": total / (total - other)}
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -297,6 +331,8 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
     for key, spread in spreads.items():
         results[key] = spread.median if spread is not None else None
     results["ratios"] = {key: None if s is None else s.as_dict() for key, s in spreads.items()}
+    results["mode_gain_ceiling"] = mode_gain_ceiling(results["sections"].get(
+        "labkit_full_decode_only"))
     target = spreads["ratio_vs_transformers"]
     results["target"] = {"ratio_vs_transformers": TARGET_VS_TRANSFORMERS,
                          "met": bool(target is not None and target.above(TARGET_VS_TRANSFORMERS))}

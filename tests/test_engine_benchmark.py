@@ -136,3 +136,35 @@ def test_transformers_batches_group_similar_prompt_lengths():
 
     prompts = [[0] * n for n in (9, 2, 7, 3, 8)]
     assert hf_batches(prompts, 2) == [[1, 3], [2, 4], [0]]
+
+
+def test_step_kinds_partition_the_run_by_how_each_step_ran(quick):
+    """Each section charges every step the time since the previous step ended: the charges
+    add up to the first step's start to the last one's end, and every step is counted."""
+    from types import SimpleNamespace as NS
+
+    def rec(graph, start, end, tokens):
+        return NS(graph=graph, start_s=start, end_s=end, stats=NS(num_tokens=tokens))
+
+    # async scheduling: the second step starts before the first ends
+    kinds = bench.step_kinds([rec("eager", 1.0, 1.5, 300), rec("full", 1.4, 1.6, 8),
+                              rec("full", 1.6, 1.7, 8), rec("piecewise", 1.7, 2.0, 40)])
+    assert kinds == {"eager": {"steps": 1, "seconds": pytest.approx(0.5), "tokens": 300},
+                     "full": {"steps": 2, "seconds": pytest.approx(0.2), "tokens": 16},
+                     "piecewise": {"steps": 1, "seconds": pytest.approx(0.3), "tokens": 40}}
+    assert bench.step_kinds([]) == {}
+    for name, sec in quick[0]["sections"].items():
+        if name != "transformers":
+            assert sum(k["steps"] for k in sec["step_kinds"].values()) > 0, name
+
+
+def test_mode_gain_ceiling_is_the_run_over_its_decode_graph_steps():
+    section = {"step_kinds": {"eager": {"steps": 3, "seconds": 1.0, "tokens": 900},
+                              "full": {"steps": 50, "seconds": 4.0, "tokens": 400}}}
+    c = bench.mode_gain_ceiling(section)
+    assert c == {"steps": 3, "of_steps": 53, "share": pytest.approx(0.2),
+                 "ceiling": pytest.approx(1.25)}
+    # a run with no decode graph (a CPU's full_decode_only is "none") has no ceiling
+    assert bench.mode_gain_ceiling({"step_kinds": {"eager": section["step_kinds"]["eager"]}}) \
+        is None
+    assert bench.mode_gain_ceiling(None) is None and bench.mode_gain_ceiling({}) is None

@@ -45,6 +45,11 @@ def report(results: dict, spreads: dict, *, quick: bool, system_prompt_len: int,
     if spreads["mode_gain"] is not None:
         mode = results.get("cudagraph_mode", "the default")
         print(f"cudagraph_mode {mode} / full_decode_only: {spreads['mode_gain']:.2fx}")
+        if results.get("mode_gain_ceiling"):
+            c = results["mode_gain_ceiling"]
+            print(f"  full_decode_only ran {c['steps']} of {c['of_steps']} steps outside its "
+                  f"decode graphs, {c['share']:.1%} of its time: were they free, no mode could "
+                  f"gain more than {c['ceiling']:.2f}x on this workload")
     if spreads["graphs_gain"] is not None:
         print(f"CUDA Graphs on / off (both unfused): {spreads['graphs_gain']:.2fx}")
     if spreads["compile_gain"] is not None:
