@@ -22,8 +22,9 @@ another failed:
    cache, decode forward under ``torch.compile``, batches of requests with similar prompt
    lengths, left padding, greedy, ``max_new_tokens`` = the batch's longest output. Only each
    request's own output tokens count as useful.
-5. ``compile_start`` (the full run only, not ``--quick``): ``LLM(compile=True)``'s first generate in a fresh
-   process with an empty Inductor cache (cold), then with the cache that left (warm).
+5. ``compile_start`` (the full run only, not ``--quick``, and only with ``labkit_compiled``
+   among the sections): ``LLM(compile=True)``'s first generate in a fresh process with an
+   empty Inductor cache (cold), then with the cache that left (warm).
 
 Throughput is output tokens / wall time; warm-up (kernel JIT, graph capture, compilation) runs
 before the clock starts, for both. The sections run in ``rounds`` rounds (default 3), each in a
@@ -345,7 +346,8 @@ def run(out_dir: Path | None = None, quick: bool = False, config: BenchmarkConfi
         results["greedy_agreement"] = {"requests": len(ours), "identical": same,
                                        "first_token_identical": first,
                                        "median_common_prefix": statistics.median(common)}
-    if cfg.compile_start:  # Inductor's on-disk cache: empty, then as the first run left it
+    if cfg.compile_start and "labkit_compiled" in chosen:
+        # Inductor's on-disk cache: empty, then as the first run left it
         results["compile_start"] = _attempt("compile_start", lambda: compile_start(
             cfg.model_config, device=device.type, dtype=cfg.dtype, cudagraph_mode=None),
             errors)

@@ -22,7 +22,7 @@ def interference_claims(on, off, *, device: str | None = None, recorded=None,
     mixed, dec = on.step_ms[on.mixed], on.step_ms[on.decode_only]
     timing = "synchronised" if not on.async_scheduling else \
         "the interval between token reads (async scheduling)"
-    stall = _per_round(off, "worst_gap_ms", on, "prefill_gap_ms")
+    stall = per_round_ratio(off, "worst_gap_ms", on, "prefill_gap_ms")
     return [
         claim("Without chunking the running requests' worst gap between tokens is {w:.1f} ms"
               "{where}, {x:.1fx} the median gap while the prompt is chunked ({c:.1f} ms): one "
@@ -40,7 +40,7 @@ def interference_claims(on, off, *, device: str | None = None, recorded=None,
               timing=timing, recorded=recorded)]
 
 
-def _per_round(a, a_name: str, b, b_name: str) -> Spread:
+def per_round_ratio(a, a_name: str, b, b_name: str) -> Spread:
     """``a``'s figure over ``b``'s, round by round (the two ran in the same rounds); one ratio
     where either ran once."""
     top, bottom = a.per_round(a_name), b.per_round(b_name)
@@ -79,7 +79,7 @@ def _long_ttft_claim(on, off, where: str, *, host_bound: bool, recorded=None):
     prompt's work is the same split or not, so its TTFT stays within ``SAME_WORK`` of one
     step's. A round where chunked is the faster one is noise in the one long step (a hiccup
     of the machine lands in it whole), not work saved, and does not fail the claim."""
-    x = _per_round(on, "long_ttft_ms", off, "long_ttft_ms")
+    x = per_round_ratio(on, "long_ttft_ms", off, "long_ttft_ms")
     a, b = Spread.of(on.per_round("long_ttft_ms")), Spread.of(off.per_round("long_ttft_ms"))
     if host_bound:
         return claim("Chunked, the long prompt's own TTFT is {a:.1f} ms against {b:.1f} ms in "
@@ -112,10 +112,10 @@ def piecewise_chunk_claims(runs, *, device: str | None = None, recorded=None) ->
         return []
     where = _on(recorded, device)
     e_on, p_on, p_off = by[eager, True], by[piecewise, True], by[piecewise, False]
-    step = _per_round(e_on, "mixed_step_ms", p_on, "mixed_step_ms")
-    gap = _per_round(p_off, "worst_gap_ms", p_on, "worst_gap_ms")
-    p_ttft = _per_round(p_on, "long_ttft_ms", p_off, "long_ttft_ms")
-    e_ttft = _per_round(e_on, "long_ttft_ms", by[eager, False], "long_ttft_ms")
+    step = per_round_ratio(e_on, "mixed_step_ms", p_on, "mixed_step_ms")
+    gap = per_round_ratio(p_off, "worst_gap_ms", p_on, "worst_gap_ms")
+    p_ttft = per_round_ratio(p_on, "long_ttft_ms", p_off, "long_ttft_ms")
+    e_ttft = per_round_ratio(e_on, "long_ttft_ms", by[eager, False], "long_ttft_ms")
 
     def verdict(met: bool, target: str) -> str:
         return f"the target of {target} is {'met in every round' if met else 'not met'}"

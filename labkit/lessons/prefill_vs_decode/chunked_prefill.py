@@ -279,10 +279,27 @@ def interference_modes(model, *, modes: Sequence[str | None], num_running: int =
     default), all in the same rounds: 2 x len(modes) engines, chunked then whole for each mode
     in order, every round running all of them in a fresh shuffled order. Each run records its
     engine's mode (``Interference.cudagraph_mode``)."""
-    if rounds != 1 and rounds < 3:
-        raise ValueError(f"rounds must be 1 or at least 3 (a range needs three), got {rounds}")
     if not modes:
         raise ValueError("modes must name at least one cudagraph_mode (None: the default)")
+    configs = [(chunked, budget, mode) for mode in modes
+               for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running))]
+    return interleaved_runs(model, configs, num_running=num_running,
+                            running_tokens=running_tokens, long_prompt=long_prompt,
+                            arrive_after=arrive_after, kv_cache_memory=kv_cache_memory,
+                            rounds=rounds, seed=seed)
+
+
+def interleaved_runs(model, configs: Sequence[tuple[bool, int, str | None]], *,
+                     num_running: int, running_tokens: int, long_prompt: int,
+                     arrive_after: int, kv_cache_memory: int | None = None, rounds: int = 1,
+                     seed: int = 0) -> list[Interference]:
+    """One ``interference_run`` per ``(chunked, token budget, cudagraph_mode)`` of ``configs``,
+    each on its own engine over ``model``. ``rounds`` 1: one engine at a time, each built after
+    the last is freed. More: every engine is built first, then every round runs all of them in
+    a fresh shuffled order, and each config reports its median round by the long prompt's TTFT
+    with every round's figures beside it (``Interference.round_figures``)."""
+    if rounds != 1 and rounds < 3:
+        raise ValueError(f"rounds must be 1 or at least 3 (a range needs three), got {rounds}")
     shape = dict(num_running=num_running, running_tokens=running_tokens,
                  long_prompt_len=long_prompt, arrive_after_steps=arrive_after)
 
@@ -298,9 +315,7 @@ def interference_modes(model, *, modes: Sequence[str | None], num_running: int =
         result.cudagraph_mode = llm.cudagraph_mode
         return result
 
-    configs = [(chunked, budget, mode) for mode in modes
-               for chunked, budget in ((True, chunk_budget), (False, long_prompt + num_running))]
-    if rounds == 1:  # one engine at a time: the next is built after the last is freed
+    if rounds == 1:
         return [run(engine(*c)) for c in configs]
     engines = [engine(*c) for c in configs]
     rng, per = random.Random(seed), [[] for _ in configs]
