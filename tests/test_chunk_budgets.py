@@ -63,7 +63,8 @@ def runs(gap_small, gap_big, ttft_small, ttft_big):
 
 def test_the_claims_hold_where_the_trade_is_measured_and_the_chosen_budget_meets_both():
     good = runs([11, 11.5, 11.2], [30, 31, 29], [255, 254, 265], [186, 187, 182])
-    trade_claim, target_claim = cb.budget_claims(good, chosen=2048, device="GPU")
+    assert cb.ENGINE_BUDGET == 2048, "LLM's default max_num_batched_tokens"
+    trade_claim, target_claim = cb.budget_claims(good, device="GPU")
     assert trade_claim.held and target_claim.held
     assert "budgets tried (512, 2,048 tokens), these meet both on GPU: 2,048." in target_claim.text
     t = cb.trade(good)

@@ -12,6 +12,7 @@ both marks the engine is held to: the worst gap cut ``GAP_TARGET`` times, the TT
 """
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import pandas as pd
@@ -19,12 +20,17 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit import check_positive_int
+from labkit.engine import LLM
 from labkit.lessons.prefill_vs_decode.chunked_claims import (GAP_TARGET, TTFT_TARGET,
                                                              per_round_ratio)
 from labkit.lessons.prefill_vs_decode.chunked_prefill import Interference, interleaved_runs
 from labkit.lessons.prefill_vs_decode.where import on as _on
 from labkit.measure.rounds import Spread
 from labkit.teaching import claim
+
+
+# LLM's default max_num_batched_tokens: the budget the engine runs with unless told otherwise
+ENGINE_BUDGET = inspect.signature(LLM).parameters["max_num_batched_tokens"].default
 
 
 def budget_sweep(model, *, budgets: Sequence[int], cudagraph_mode: str | None = None,
@@ -102,11 +108,12 @@ def figure(runs: Sequence[Interference], title: str) -> go.Figure:
     return fig
 
 
-def budget_claims(runs: Sequence[Interference], *, chosen: int, device: str | None = None,
-                  recorded=None) -> list:
+def budget_claims(runs: Sequence[Interference], *, chosen: int | None = None,
+                  device: str | None = None, recorded=None) -> list:
     """The trade (a larger budget: a longer worst gap and a shorter TTFT, medians in budget
-    order), and which budgets meet both marks in every round, ``chosen`` (notebook 07's
-    budget) among them."""
+    order), and which budgets meet both marks in every round, ``chosen`` (default: the
+    engine's default budget, ``ENGINE_BUDGET``) among them."""
+    chosen = ENGINE_BUDGET if chosen is None else chosen
     chunked, whole = _split(runs)
     t, where = trade(runs), _on(recorded, device)
     gaps, ttfts = list(t["worst gap (ms)"]), list(t["TTFT (ms)"])
@@ -126,8 +133,8 @@ def budget_claims(runs: Sequence[Interference], *, chosen: int, device: str | No
               recorded=recorded),
         claim("Against the whole prompt in one step, the worst gap must be cut at least "
               "{gap:g}x and the TTFT stay within {ttft:g}x, in every round. Of the budgets "
-              "tried ({listed} tokens), these meet both{where}: {meeting}. Notebook 07 runs "
-              "with {chosen:,} "
+              "tried ({listed} tokens), these meet both{where}: {meeting}. The engine's default, "
+              "max_num_batched_tokens={chosen}, is among them "
               "(gap cut {cut:.1f}x, lowest round {cut_lo:.1f}x; TTFT {cost:.2f}x, highest "
               "round {cost_hi:.2f}x).", chosen in meeting, gap=GAP_TARGET, ttft=TTFT_TARGET,
               listed=listed, meeting=", ".join(f"{b:,}" for b in meeting) or "none",
