@@ -60,7 +60,7 @@ from labkit.kernels.paged_attention_tiles import check_tuning, tile_plan
 def paged_attention_kernel(
         Q, K_cache, V_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale, Out, Lse,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-        qk_scale, sm_scale, window, num_splits, keys_per_split,
+        qk_scale, sm_scale, window, num_splits,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         WINDOW: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
@@ -97,8 +97,12 @@ def paged_attention_kernel(
     if WINDOW:  # nothing older than the window of this tile's first token
         lo = tl.maximum(seq_len - len_q + q_tile * BLOCK_Q - window + 1, 0)
     if SPLIT:
-        lo = tl.maximum(lo, split * keys_per_split)
-        hi = tl.minimum(hi, (split + 1) * keys_per_split)
+        # This sequence's keys dealt evenly over the splits from its own length, read on the
+        # device: a graph planned for the longest context still spreads a short one over every
+        # split instead of leaving it all to the first.
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, split * per_split)
+        hi = tl.minimum(hi, (split + 1) * per_split)
     lo = lo // BLOCK_N * BLOCK_N
     if SCALED:  # fp8: dequantising K is one multiply on the scores (sm_scale is already in q)
         qk_scale = qk_scale / sm_scale * tl.load(k_scale + kv_head)
@@ -212,6 +216,8 @@ class PagedAttentionPlan:
     launch: dict
     grid: tuple[int, int, int]
     num_splits: int
+    # The most keys one split reads: the longest sequence's share (each sequence's own share is
+    # dealt on the device from its length), which decides whether a program reads one tile.
     keys_per_split: int
     scale: float
     window: int | None
@@ -256,7 +262,7 @@ class PagedAttentionPlan:
             block_tables.stride(0),
             dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
             self.scale * LOG2_E, self.scale, self.window or 0, self.num_splits,
-            self.keys_per_split, HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
+            HEAD_DIM=self.head_dim, BLOCK_SIZE=self.block_size,
             WINDOW=self.window is not None, SPLIT=split, PDL=(pdl := pdl_for(q.device)),
             **self.consts, **self.launch, **launch_options(pdl))
         if split:

@@ -176,6 +176,30 @@ def test_one_plan_serves_every_layer_and_writes_into_the_given_output(num_splits
             plan.run(q[:1], k, v, table, cu, lens, workspace=workspace)
 
 
+def test_a_plan_for_a_long_context_spreads_each_short_sequence_over_every_split():
+    """A decode graph is planned once for the longest context its tables can hold; each
+    sequence's keys are dealt over the splits from its own length on the device, so a short
+    one still uses every split (not the first alone) and every answer matches the reference."""
+    from labkit.kernels.paged_attention import plan_paged_attention
+    seed = fresh_seed()
+    q, k, v, table, cu, lens = paged([1, 1, 1, 1], [300, 37, 0, 1], 4, 2, 64, 16,
+                                     torch.float32, seed, spare_blocks=60)
+    plan = plan_paged_attention(False, 4, k.shape, 4, table.shape[1] * 16, 1, q.device,
+                                num_splits=4)
+    assert plan.keys_per_split >= 256, "planned for the tables' width, far past 300 tokens"
+    partial, lse = workspace = plan.workspace(q)
+    out = plan.run(q, k, v, table, cu, lens, workspace=workspace)
+    err = max_err(out, paged_attention_ref(q, k, v, table, cu, lens))
+    assert err < 2e-4, f"seed {seed}: max error {err:.2e}"
+    busy = torch.isfinite(lse).sum(dim=2)[:, 0].tolist()  # splits that read a key, per row
+    bn = plan.consts["BLOCK_N"]
+    share = [-(-(-(-n // 4)) // bn) * bn for n in (300, 37, 0, 1)]  # a quarter, in whole tiles
+    assert busy == [-(-n // s) if n else 0 for n, s in zip((300, 37, 0, 1), share)], busy
+    assert busy[0] == 4 and busy[1] >= 2 and busy[2] == 0, (
+        f"splits used per sequence {busy}: 300 keys take all four, 37 keys more than the "
+        "first alone, an empty sequence none")
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_paged_large_head_dims(head_dim):
     seed = fresh_seed()

@@ -70,8 +70,7 @@ def _compile(cache: str, head_dim: int, group: int, block_size: int, arch: int) 
     signature = {n: "i32" for n in names}
     signature.update(POINTERS, K_cache=kv_type, V_cache=kv_type, qk_scale="fp32",
                      sm_scale="fp32", **{k: "constexpr" for k in consts})
-    aligned = [n for n in names if signature[n].startswith("*") or n.startswith("stride_")
-               or n == "keys_per_split"]
+    aligned = [n for n in names if signature[n].startswith("*") or n.startswith("stride_")]
     source = ASTSource(kernel, signature,
                        constexprs={(names.index(k),): v for k, v in consts.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})

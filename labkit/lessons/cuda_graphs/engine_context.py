@@ -94,13 +94,14 @@ def keyed_gain(result: dict, context: int) -> Spread:
 
 
 def record() -> dict:
-    """`make record`: bench_1b (bf16, 32k positions) at batch 8 over 512 and 32,768 tokens of
-    context, and at batch 64 over 512 and 4,096."""
+    """`make record`: bench_1b (bf16, 32k positions) at batch 1 and 8 over 512 and 32,768
+    tokens of context, and at batch 64 over 512 and 4,096."""
     from labkit.engine import ModelConfig, random_model
 
     model = random_model(ModelConfig.bench_1b(max_position_embeddings=32768), seed=0,
                          device=torch.device("cuda"), dtype=torch.bfloat16, fused_ops=True)
-    return {"runs": [context_key_rounds(model, batch=8, contexts=(512, 32768)),
+    return {"runs": [context_key_rounds(model, batch=1, contexts=(512, 32768)),
+                     context_key_rounds(model, batch=8, contexts=(512, 32768)),
                      context_key_rounds(model, batch=64, contexts=(512, 4096))]}
 
 
