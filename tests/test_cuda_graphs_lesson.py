@@ -362,3 +362,22 @@ def test_engine_context_claims_hold_when_the_keys_lose_nothing_at_long_context()
     assert "each of the 3 extra keys costs 21 ms of capture and 0.7 MiB" in made[0].text
     slower = _context_run(8, [[1250] * 3, [3380, 3381, 3383]], [[1153] * 3, [3380, 3600, 3380]])
     assert not engine_context_claims([slower], device="cpu")[0].held, "a long-context loss"
+
+
+def test_the_default_of_one_key_per_batch_holds_until_a_batch_gains_enough_from_context_keys():
+    from labkit.lessons.cuda_graphs.engine_context import WORTH_A_KEY, default_claim
+    # as measured on the H200 once each sequence's keys were dealt on the device
+    b1 = _context_run(1, [[836, 833, 837], [1081, 1081, 1083]], [[820, 819, 822], [1084, 1079, 1085]])
+    b8 = _context_run(8, [[1064, 1061, 1066], [3015, 3009, 3031]],
+                      [[1078, 1074, 1090], [3055, 3051, 3056]])
+    made = default_claim([b1, b8], device="cpu")
+    assert made.held and "at best 1.018x" in made.text and "(batch 1 on this CPU)" in made.text
+    # before the device-side dealing: batch 8 won 1.08x at short context, losing nothing at long
+    wins = _context_run(8, [[1250, 1251, 1253], [3380, 3381, 3383]],
+                        [[1153, 1157, 1155], [3379, 3377, 3380]])
+    assert not default_claim([b1, wins], device="cpu").held
+    # a gain over the mark in one round only, or paid for at long context, is not a reason
+    once = _context_run(8, [[1250, 1100, 1100], [3380] * 3], [[1153, 1100, 1100], [3380] * 3])
+    costly = _context_run(8, [[1250] * 3, [3000] * 3], [[1153] * 3, [3300] * 3])
+    assert default_claim([once], device="cpu").held and default_claim([costly], device="cpu").held
+    assert WORTH_A_KEY > 1

@@ -135,6 +135,32 @@ def engine_context_claims(runs: list[dict], *, recorded=None, device=None) -> li
     return made
 
 
+WORTH_A_KEY = 1.05  # a gain a graph per context bucket must clear in every round to be kept
+
+
+def default_claim(runs: list[dict], *, recorded=None, device=None):
+    """The engine's default, one decode graph per batch bucket (``decode_context_buckets``
+    None), against the measured batches: it holds where at no batch the context-keyed graphs
+    gain ``WORTH_A_KEY`` or more at the short context in every round while losing nothing at
+    the long one. Each key costs a capture and, at a new split plan, a kernel compile."""
+    from labkit.lessons.cuda_graphs.claims import where
+    from labkit.teaching import claim
+
+    gains = {r["batch"]: (keyed_gain(r, min(r["contexts"])), keyed_gain(r, max(r["contexts"])))
+             for r in runs}
+    worth = [b for b, (short, long) in gains.items()
+             if short.above(WORTH_A_KEY) and long.low >= NOT_SLOWER]
+    best = max(gains, key=lambda b: gains[b][0].median)
+    return claim(
+        "Each sequence's keys are dealt over the splits from its own length on the device, so "
+        "a graph planned for the longest context serves a short one too: keyed by context, the "
+        "step is at best {g:.3fx} the batch-keyed graph's speed at short context (batch {b}"
+        "{on}), under the {worth:.2f}x a key per context bucket must win in every round. The "
+        "engine keeps one decode graph per batch bucket (decode_context_buckets=None).",
+        not worth, g=gains[best][0], b=best, on=where(recorded, device), worth=WORTH_A_KEY,
+        recorded=recorded)
+
+
 def table(runs: list[dict]):
     """One row per (batch, context): each runner's median step us and the keyed gain with its
     range over the rounds."""
