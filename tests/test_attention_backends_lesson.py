@@ -163,19 +163,20 @@ def test_decode_tile_claim_holds_on_the_recording_and_fails_when_the_old_tile_wi
     assert held(decode_tile_claims(data)) == []
 
 
-def test_decode_tile_claim_needs_every_round_at_batch_1_and_the_median_at_batch_2(data):
-    """As on an H200 run: at batch 2 the old tile won one round of five, the new one the median."""
+def test_decode_tile_claim_allows_one_slow_round_at_batch_1_or_2_and_no_more(data):
+    """As on H200 runs: at batch 2 the old tile won one round of five, the new one the median."""
     lc = data["long_context"]
     new, old = lc["B2 split (auto)"], lc[f"B2 {rl.TILE_BEFORE}"]
-    new["rounds_us"] = [70.0, 70.0, 70.5, 76.0, 70.2]
     old["rounds_us"] = [73.0, 73.1, 73.0, 73.0, 73.2]
+    new["rounds_us"] = [70.0, 70.0, 70.5, 76.0, 70.2]
     assert held(decode_tile_claims(data)) == [True]
-    new["rounds_us"] = [74.0, 74.0, 70.5, 76.0, 74.2]  # the median round 1.4% slower
+    new["rounds_us"] = [70.0, 74.0, 70.5, 76.0, 70.2]  # two slow rounds of five
+    assert held(decode_tile_claims(data)) == [False]
+    new["rounds_us"] = [74.0, 74.0, 70.5, 70.0, 74.2]  # slower in the median
     assert held(decode_tile_claims(data)) == [False]
     new["rounds_us"] = [70.0] * 5
-    b1_new, b1_old = lc["B1 split (auto)"], lc[f"B1 {rl.TILE_BEFORE}"]
-    b1_new["rounds_us"] = list(b1_old["rounds_us"])
-    b1_new["rounds_us"][2] = b1_old["rounds_us"][2] * 1.02  # one slower round at batch 1
+    b4_new, b4_old = lc["B4 split (auto)"], lc[f"B4 {rl.TILE_BEFORE}"]
+    b4_new["rounds_us"] = [u * 1.02 for u in b4_old["rounds_us"]]  # batch 4: 2% slower
     assert held(decode_tile_claims(data)) == [False]
 
 

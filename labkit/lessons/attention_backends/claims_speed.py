@@ -125,15 +125,22 @@ def long_context_claims(data: dict, *, where: str = "", recorded=None) -> list:
     ]
 
 
-TILE_SLACK = 0.01  # at batch 2 and 4 the two tiles come within noise of each other
+TILE_SLACK = 0.01  # at batch 4 the two tiles come within noise of each other
+
+
+def _wins(ratio) -> bool:
+    """Faster in the median and in every round but at most one."""
+    return ratio.median > 1.0 and sum(v <= 1.0 for v in ratio.values) <= 1
 
 
 def decode_tile_claims(data: dict, *, where: str = "", recorded=None) -> list:
     """The decode tile for heads 128 wide (32 keys, block ids loaded a tile ahead) against the
     one it replaced (64 keys, block ids loaded in the iteration that uses them), per batch at
-    32k tokens, in the same rounds. Holds when it is faster in every round at batch 1 and, at
-    batch 2 and 4 (where more sequences fill the GPU and the two come close), at most
-    ``TILE_SLACK`` slower in the median."""
+    32k tokens, in the same rounds. Holds when it is faster at batch 1 and 2 in the median and
+    in all rounds but at most one (a kernel of 40 us now and then meets a slow round: on H200
+    gpu-check runs one round of five fell to 0.90x at batch 1 in one run and to 0.96x at batch 2
+    in another, the medians 1.07x and 1.04x in both), and at batch 4, where the sequences fill
+    the GPU and the two tiles come close, at most ``TILE_SLACK`` slower in the median."""
     ratios = {b: ratio_of(result_of(data, "long_context", f"B{b} {TILE_BEFORE}"),
                           result_of(data, "long_context", f"B{b} split (auto)")) for b in (1, 2, 4)}
     if None in ratios.values():
@@ -141,10 +148,10 @@ def decode_tile_claims(data: dict, *, where: str = "", recorded=None) -> list:
     return [claim(
         "At {ctx:,} tokens{where} decode's 32-key tiles, with each next tile's block ids loaded "
         "one iteration ahead, ran {b1:.2fx} as fast as 64-key tiles without that at batch 1 "
-        "(faster in every round), {b2:.2fx} at batch 2 and {b4:.2fx} at batch 4 (medians no "
-        "more than {slack:.0%} slower); the tile plan (kernels/paged_attention_tiles.py) gives "
-        "every decode of heads 128 wide the 32-key tile.",
-        ratios[1].above(1.0) and min(ratios[2].median, ratios[4].median) >= 1 - TILE_SLACK,
+        "and {b2:.2fx} at batch 2 (faster in the median and in all rounds but at most one), "
+        "{b4:.2fx} at batch 4 (the median no more than {slack:.0%} slower); the tile plan "
+        "(kernels/paged_attention_tiles.py) gives every decode of heads 128 wide the 32-key "
+        "tile.", all(_wins(ratios[b]) for b in (1, 2)) and ratios[4].median >= 1 - TILE_SLACK,
         ctx=LONG_CONTEXT, slack=TILE_SLACK,
         where=where, b1=ratios[1], b2=ratios[2], b4=ratios[4], recorded=recorded)]
 
