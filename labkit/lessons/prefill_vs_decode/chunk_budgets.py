@@ -13,6 +13,7 @@ both marks the engine is held to: the worst gap cut ``GAP_TARGET`` times, the TT
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Sequence
 
 import pandas as pd
@@ -114,13 +115,14 @@ def budget_claims(runs: Sequence[Interference], *, chosen: int | None = None,
     order), and which budgets meet both marks in every round, ``chosen`` (default: the
     engine's default budget, ``ENGINE_BUDGET``) among them."""
     chosen = ENGINE_BUDGET if chosen is None else chosen
-    chunked, whole = _split(runs)
+    whole = _split(runs)[1]
     t, where = trade(runs), _on(recorded, device)
     gaps, ttfts = list(t["worst gap (ms)"]), list(t["TTFT (ms)"])
     rising = all(a < b for a, b in zip(gaps, gaps[1:]))
     falling = all(a > b for a, b in zip(ttfts, ttfts[1:]))
     meeting = [int(b) for b, ok in zip(t["token budget"], t["meets both"]) if ok]
     row = t[t["token budget"] == chosen]
+    at = row.iloc[0].to_dict() if len(row) else {}  # the chosen budget's row, if measured
     listed = ", ".join(f"{b:,}" for b in t["token budget"])
     return [
         claim("From a budget of {lo:,} to {hi:,} tokens{where}, the running requests' worst gap "
@@ -139,10 +141,8 @@ def budget_claims(runs: Sequence[Interference], *, chosen: int | None = None,
               "round {cost_hi:.2f}x).", chosen in meeting, gap=GAP_TARGET, ttft=TTFT_TARGET,
               listed=listed, meeting=", ".join(f"{b:,}" for b in meeting) or "none",
               where=where, chosen=chosen,
-              cut=float(row.gap_cut.iloc[0]) if len(row) else float("nan"),
-              cut_lo=float(row.gap_cut_low.iloc[0]) if len(row) else float("nan"),
-              cost=float(row.ttft_cost.iloc[0]) if len(row) else float("nan"),
-              cost_hi=float(row.ttft_cost_high.iloc[0]) if len(row) else float("nan"),
+              cut=at.get("gap_cut", math.nan), cut_lo=at.get("gap_cut_low", math.nan),
+              cost=at.get("ttft_cost", math.nan), cost_hi=at.get("ttft_cost_high", math.nan),
               recorded=recorded)]
 
 
