@@ -18,7 +18,10 @@ GQA groups. Each latent tile is loaded once for the whole group and used twice: 
 ``k_pe``) and as values. Decode reads every cached byte once per head group, so the larger the
 group the closer it runs to the copy bandwidth, until the accumulator (rows x kv_lora_rank
 float32) no longer fits in registers. Long contexts with few sequences are split across
-programs and merged exactly as ``paged_attention`` does (``paged_attention_split.py``).
+programs and merged exactly as ``paged_attention`` does (``paged_attention_split.py``); each
+sequence's keys are dealt over the splits from its own length, read on the device. On Hopper the
+kernel launches as a programmatic dependent (``pdl.py``), so the merge behind it starts as it
+drains.
 
 Which side of the matrix multiply the rows sit on matters on Hopper. Its warpgroup MMA
 (wgmma) takes at least 64 rows on the M side; with 16 heads a program has 16 rows, so
@@ -49,6 +52,7 @@ from labkit.kernels.attention_checks import (check_cu_seqlens, check_flag, check
 from labkit.kernels.grid import cdiv, next_power_of_2
 from labkit.kernels.paged_attention_split import (MAX_SPLITS, WAVES, choose_num_splits,
                                                    merge_splits, num_sms)
+from labkit.kernels.pdl import launch_options, pdl_for, wait_for_kernel_ahead
 
 LOG2_E = 1.4426950408889634
 SHARED_MEMORY_BYTES = 227 * 1024  # the most one block may have on an H100 or H200
@@ -60,11 +64,12 @@ def paged_mla_kernel(
         QL, QR, Cache, block_tables, cu_seqlens_q, seq_lens, Out, Lse,
         stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cb, stride_cs, stride_bt,
         stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-        num_heads, qk_scale, num_splits, keys_per_split,
+        num_heads, qk_scale, num_splits,
         HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
         ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, KEYS_ON_M: tl.constexpr,
-        PAGE_TILE: tl.constexpr):
+        PAGE_TILE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_kernel_ahead(PDL)
     seq = tl.program_id(0)
     head_group = tl.program_id(1)
     q_tile = tl.program_id(2) // num_splits
@@ -94,9 +99,10 @@ def paged_mla_kernel(
     hi = seq_len
     if CAUSAL:  # nothing after this tile's last token
         hi = tl.maximum(seq_len - len_q + tl.minimum((q_tile + 1) * BLOCK_Q, len_q), 0)
-    if SPLIT:
-        lo = tl.maximum(lo, split * keys_per_split)
-        hi = tl.minimum(hi, (split + 1) * keys_per_split)
+    if SPLIT:  # this sequence's keys dealt over the splits from its own length, on the device
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, split * per_split)
+        hi = tl.minimum(hi, (split + 1) * per_split)
 
     table = block_tables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_Q * HEADS], -1e30, tl.float32)
@@ -170,6 +176,9 @@ class MLAPlan:
     launch: dict
     grid: tuple[int, int, int]
     num_splits: int
+    # The most keys one split reads (the longest sequence's share); each sequence's own share is
+    # dealt on the device from its length, so a graph planned for the longest context still
+    # spreads a short one over every split.
     keys_per_split: int
     scale: float
     block_size: int
@@ -202,9 +211,10 @@ class MLAPlan:
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
             dest.stride(0), dest.stride(1), dest.stride(2) if split else 0, *lse_strides,
-            num_heads, self.scale * LOG2_E, self.num_splits, self.keys_per_split,
+            num_heads, self.scale * LOG2_E, self.num_splits,
             RANK=rank, ROPE=q_rope.shape[2], BLOCK_SIZE=self.block_size, SPLIT=split,
-            PAGE_TILE=self.page_tile, **self.consts, **self.launch)
+            PAGE_TILE=self.page_tile, PDL=(pdl := pdl_for(q_latent.device)), **self.consts,
+            **self.launch, **launch_options(pdl))
         if split:
             merge_splits(dest, lse, out)
         return out

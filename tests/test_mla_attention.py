@@ -148,6 +148,31 @@ def test_a_query_before_every_key_and_an_idle_batch_give_zeros_and_empties():
     assert paged_mla_attention(*empty, scale=SCALE).shape == (0, 4, RANK)
 
 
+def test_a_plan_for_a_long_context_spreads_each_short_sequence_over_every_split(monkeypatch):
+    """As paged_attention's: a decode graph's plan is made for the longest context its tables
+    hold, and each sequence's keys are dealt over the splits from its own length on the
+    device, so a short one still uses every split and every answer matches the reference."""
+    from labkit.kernels import paged_mla_attention as module
+    seed = fresh_seed()
+    lens = [300, 37, 0, 1]
+    args = mla_batch([1, 1, 1, 1], lens, 4, 16, torch.float32, seed, spare_blocks=60)
+    plan = module.plan_mla(4, RANK, args[2].shape, 4, args[3].shape[1] * 16, 1, "cpu",
+                           scale=SCALE, num_splits=4, dtype=torch.float32)
+    assert plan.keys_per_split >= 256, "planned for the tables' width, far past 300 tokens"
+    seen = {}
+    merge = module.merge_splits
+    monkeypatch.setattr(module, "merge_splits",
+                        lambda partial, lse, out: merge(partial, seen.setdefault("lse", lse), out))
+    out = plan.run(*args)
+    err = max_err(out, paged_mla_attention_ref(*args, scale=SCALE))
+    assert err < TOL[torch.float32], f"seed {seed}: max error {err:.2e}"
+    busy = torch.isfinite(seen["lse"]).sum(dim=2)[:, 0].tolist()  # splits that read a key
+    bn = plan.consts["BLOCK_N"]
+    share = [-(-(-(-n // 4)) // bn) * bn for n in lens]  # a quarter, in whole tiles
+    assert busy == [-(-n // s) if n else 0 for n, s in zip(lens, share)], busy
+    assert busy[0] == 4 and busy[1] >= 2 and busy[2] == 0, busy
+
+
 def test_unchecked_calls_with_an_out_buffer_give_the_checked_answer():
     seed = fresh_seed()
     args = mla_batch([1, 3], [40, 21], 8, 16, torch.float32, seed)
