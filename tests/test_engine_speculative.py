@@ -125,6 +125,47 @@ def test_the_controlled_reference_run_is_invisible_to_the_timed_engine():
     assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
 
 
+def test_the_controlled_reference_comes_from_verify_steps_of_an_engine_configured_alike():
+    """The reference run takes the timed run's step shape: an engine with this one's options
+    whose own controlled draft (acceptance 0) proposes k tokens at every step until the
+    request's end leaves less room; it is built once and kept while its cache is big enough."""
+    k, max_tokens = 3, 24
+    spec = engine(speculative=SpeculativeConfig("controlled", k, acceptance=0.5),
+                  max_num_batched_tokens=64, block_size=8)
+    spec.generate([[5, 6, 7]], SamplingParams(max_tokens=max_tokens))
+    ref = spec._reference_llm
+    assert ref.options == spec.options and ref.options["block_size"] == 8
+    ref_spec = ref.scheduler.config.speculative
+    assert (ref_spec.method, ref_spec.num_speculative_tokens, ref_spec.acceptance) == \
+        ("controlled", k, 0.0)
+    proposed = [r.stats.num_spec_proposed for r in ref.step_history
+                if not r.stats.num_prefill_tokens]
+    assert proposed == [min(k, max_tokens - 1 - n) for n in range(1, max_tokens)], proposed
+    spec.generate([[5, 6, 7]], SamplingParams(max_tokens=max_tokens))
+    assert spec._reference_llm is ref, "a second call rebuilt the reference engine"
+    spec.generate([[5, 6, 7]] * 6, SamplingParams(max_tokens=max_tokens))
+    assert spec._reference_llm.block_manager.num_blocks > ref.block_manager.num_blocks
+
+
+def test_a_token_that_depends_on_the_step_shape_still_follows_the_reference(monkeypatch):
+    """A model whose one-row steps pick another token than its verify steps (as bf16 GEMV and
+    tl.dot tiles can round a near tie apart): a reference from plain decoding would be wrong at
+    every position; one from verify-shaped steps is right, so acceptance 1 accepts every draft."""
+    spec = engine(speculative=SpeculativeConfig("controlled", 3, acceptance=1.0))
+    logits = spec.model.compute_logits
+
+    def shape_dependent(hidden):
+        out = logits(hidden)
+        if hidden.shape[0] == 1:  # a decode-shaped step at batch 1 (and a prefill's last row)
+            out[:, 5] += 1e4
+        return out
+    monkeypatch.setattr(spec.model, "compute_logits", shape_dependent)
+    done = spec.generate([[9, 10, 11]], SamplingParams(max_tokens=24))
+    assert set(done[0].token_ids[1:-1]) != {5}, "the verify steps' own tokens, not the bias"
+    stats = spec.stats
+    assert stats.num_spec_proposed > 15 and stats.num_spec_accepted == stats.num_spec_proposed
+
+
 def test_controlled_mean_accepted_length_follows_the_formula():
     """Accepted drafts per verify: a + a^2 + ... + a^k (each right with probability a, until the
     first wrong one). The coins are fixed per (seed, request, position), so this cannot flake;

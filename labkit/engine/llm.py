@@ -33,6 +33,7 @@ from labkit.engine.inputs import check_params, params_for, prompt_list, token_id
 from labkit.engine.mla import MLAModel
 from labkit.engine.model import LlamaModel
 from labkit.engine.outputs import FINISH_REASONS, EngineStats, RequestOutput, StepRecord
+from labkit.engine.reference_run import reference_tokens
 from labkit.engine.runner import ModelRunner, resolve_cudagraph_mode
 from labkit.engine.sampling import SamplingParams, request_generator
 from labkit.engine.scheduler import Scheduler, SchedulerConfig
@@ -141,6 +142,15 @@ class LLM(StepLoop):
             else speculative.num_speculative_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           enable_prefix_caching)
+        # what an engine needs to run its steps as this one does (the controlled draft's
+        # reference engine, labkit.engine.reference_run, is built from it)
+        self.options = {"block_size": block_size, "max_num_batched_tokens": max_num_batched_tokens,
+                        "max_num_seqs": max_num_seqs, "max_model_len": self.runner.max_model_len,
+                        "backend": backend, "enable_chunked_prefill": enable_chunked_prefill,
+                        "fused_ops": fused_ops, "cudagraph_mode": mode,
+                        "cudagraph_capture_sizes": cudagraph_capture_sizes,
+                        "decode_context_buckets": decode_context_buckets,
+                        "compile": bool(compile)}
         if async_scheduling is None:  # speculation proposes from tokens read back already
             async_scheduling = self.device.type == "cuda" and speculative is None
         self.async_scheduling = bool(async_scheduling)
@@ -246,34 +256,14 @@ class LLM(StepLoop):
     def _references(self, token_ids: Sequence[list[int] | None],
                     params: Sequence[SamplingParams]) -> list[list[int] | None]:
         """The controlled draft's reference for each request: its greedy continuation, from an
-        untimed plain run (None for a sampled request, or without the controlled draft).
-
-        The run is a second engine over the same weights with speculation off, its own small KV
-        cache, no prefix caching and no graphs: this engine's clock, statistics, step history
-        and prefix cache never see it. Its tokens are the target's own, so what the controlled
-        draft shows is the upper bound for a draft of its acceptance rate on random weights (a
-        near tie that another batch shape breaks the other way can only lower acceptance; the
-        output stays plain greedy decoding's either way)."""
-        spec = self.scheduler.config.speculative
-        todo = [i for i, (ids, p) in enumerate(zip(token_ids, params))
-                if spec is not None and spec.method == "controlled" and ids and p.greedy]
-        references: list[list[int] | None] = [None] * len(token_ids)
-        if not todo:
-            return references
-        bs, max_len = self.block_manager.block_size, self.runner.max_model_len
-        need = [-(-min(len(token_ids[i]) + params[i].max_tokens, max_len) // bs) for i in todo]
-        num_blocks = min(self.block_manager.num_blocks, max(sum(need), 1))
-        cfg = self.scheduler.config
-        reference_llm = LLM(self.model, num_blocks=num_blocks, block_size=bs,
-                            max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
-                            max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            backend=self.backend, fused_ops=self.fused_ops,
-                            cudagraph_mode="none", enable_prefix_caching=False,
-                            async_scheduling=False, tokenizer=None)
-        outs = reference_llm.generate([token_ids[i] for i in todo], [params[i] for i in todo])
-        for i, out in zip(todo, outs):
-            references[i] = out.token_ids
-        return references
+        untimed run of an engine configured as this one whose steps take the verify steps'
+        shape (``labkit.engine.reference_run``; None for a sampled request, or without the
+        controlled draft). This engine's clock, statistics, step history and prefix cache never
+        see it. Its tokens are the target's own, so what the controlled draft shows is the upper
+        bound for a draft of its acceptance rate on random weights (a near tie that another
+        step shape breaks the other way can only lower acceptance; the output stays plain greedy
+        decoding's either way)."""
+        return reference_tokens(self, token_ids, params)
 
     def _add(self, prompt, ids: list[int] | None, p: SamplingParams,
              reference: list[int] | None = None) -> int:

@@ -138,7 +138,8 @@ class ControlledProposer:
     else as a different id. Every position draws its own coin, also after a wrong one: the
     tokens past the first wrong one are never accepted (verification stops there), but the draft
     keeps its length k, so every verify step has the same shape. The target's own token at the
-    wrong position is the reference's, so the request stays on the reference, and the next step
+    wrong position is the reference's (the reference run's steps take the verify steps' shape,
+    ``labkit.engine.reference_run``), so the request stays on the reference, and the next step
     starts past that position with fresh coins: accepted lengths are independent, with
     P(accepted >= i) = acceptance^i (capped at k). The coins depend only on
     (seed, request_key, position), not on batching or preemption.
