@@ -94,6 +94,10 @@ def _long_ttft_claim(on, off, where: str, *, host_bound: bool, recorded=None):
                  every=" in every round" if x.rounds > 1 else "", recorded=recorded)
 
 
+# A replayed mixed step against an eager one: a round this much slower is noise (a GPU-bound
+# mixed step runs the same kernels either way; on an H200, notebook 07's 512-token chunks over a
+# 16k prompt: 1.07x, 0.99-1.32 over 5 rounds).
+NO_SLOWER = 0.03
 GAP_TARGET = 3.0   # chunked under piecewise graphs: the worst gap at least this much shorter
 TTFT_TARGET = 1.5  # ... while the long prompt's TTFT stays within this factor of one step
 
@@ -122,8 +126,11 @@ def piecewise_chunk_claims(runs, *, device: str | None = None, recorded=None) ->
 
     return [
         claim("Replayed piecewise ({p}), a mixed step of the chunked run takes {b:.2f} ms"
-              "{where} against {a:.2f} ms with its ops eager ({e}): {x:.2fx} faster, round by "
-              "round (step times synchronised).", step.above(1.0),
+              "{where} against {a:.2f} ms with its ops eager ({e}): {x:.2fx}, faster in the "
+              "median and in no round slower by more than {tol:.0%} (step times "
+              "synchronised). A graph saves a step's launches, not its arithmetic: where "
+              "attention over the long prompt sets the step's time, the two come close.",
+              step.median > 1.0 and step.low >= 1.0 - NO_SLOWER, tol=NO_SLOWER,
               p=piecewise, e=eager, where=where, a=Spread.of(e_on.per_round("mixed_step_ms")),
               b=Spread.of(p_on.per_round("mixed_step_ms")), x=step, recorded=recorded),
         claim("With piecewise graphs, chunked prefill cuts the running requests' worst gap "
