@@ -62,6 +62,11 @@ PAGE_CHECKS = r"""() => ({
            .map(c => c.textContent.trim()).filter(t => t.length > 3 && /(\.\.\.|…)$/.test(t)),
 })"""
 
+FIGURES_DRAWN = """expected => {
+  const plots = [...document.querySelectorAll('.js-plotly-plot')];
+  return plots.length >= expected && plots.every(p => p.querySelector('svg.main-svg'));
+}"""
+
 MOVING = ("VBoxModel", "HBoxModel", "BoxModel")  # an interact, or a box of controls and an Output
 
 
@@ -113,9 +118,13 @@ def test_notebook_renders_in_jupyterlab_and_its_widgets_work(browser_page, lab_d
     assert not errors, f"{path.name} raised in the browser: {errors}"
     assert cells and all(c["count"] for c in cells), \
         f"{path.name}: cells {[i for i, c in enumerate(cells) if not c['count']]} never ran"
-    page.wait_for_timeout(1500)  # let plotly finish drawing after the last output arrives
-    seen = page.evaluate(PAGE_CHECKS)
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     expected = run.expected_figures
+    try:  # outputs render after the cells return: wait until every promised figure has drawn
+        page.wait_for_function(FIGURES_DRAWN, arg=expected, timeout=30_000)
+    except PlaywrightTimeout:
+        pass  # the assertions below say which figures are missing
+    seen = page.evaluate(PAGE_CHECKS)
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.evaluate("() => document.querySelector('.js-plotly-plot')?.scrollIntoView()")
     page.screenshot(path=str(SHOTS / f"{path.stem}.png"))
