@@ -128,7 +128,8 @@ def test_the_controlled_reference_run_is_invisible_to_the_timed_engine():
 def test_the_controlled_reference_comes_from_verify_steps_of_an_engine_configured_alike():
     """The reference run takes the timed run's step shape: an engine with this one's options
     whose own controlled draft (acceptance 0) proposes k tokens at every step until the
-    request's end leaves less room; it is built once and kept while its cache is big enough."""
+    request's end leaves less room; it is built once and kept while its cache is big enough,
+    and engines over the same model with the same options and k share it."""
     k, max_tokens = 3, 24
     spec = engine(speculative=SpeculativeConfig("controlled", k, acceptance=0.5),
                   max_num_batched_tokens=64, block_size=8)
@@ -144,7 +145,17 @@ def test_the_controlled_reference_comes_from_verify_steps_of_an_engine_configure
     spec.generate([[5, 6, 7]], SamplingParams(max_tokens=max_tokens))
     assert spec._reference_llm is ref, "a second call rebuilt the reference engine"
     spec.generate([[5, 6, 7]] * 6, SamplingParams(max_tokens=max_tokens))
-    assert spec._reference_llm.block_manager.num_blocks > ref.block_manager.num_blocks
+    bigger = spec._reference_llm
+    assert bigger.block_manager.num_blocks > ref.block_manager.num_blocks
+    twin = LLM(spec.model, device="cpu", max_num_batched_tokens=64, block_size=8,
+               speculative=SpeculativeConfig("controlled", k, acceptance=0.9))
+    twin.generate([[5, 6, 7]], SamplingParams(max_tokens=max_tokens))
+    assert twin._reference_llm is bigger, "an engine configured alike shares the reference engine"
+    other_k = LLM(spec.model, device="cpu", max_num_batched_tokens=64, block_size=8,
+                  speculative=SpeculativeConfig("controlled", k + 1, acceptance=0.9))
+    other_k.generate([[5, 6, 7]], SamplingParams(max_tokens=max_tokens))
+    assert other_k._reference_llm is not bigger
+    assert other_k._reference_llm.scheduler.config.speculative.num_speculative_tokens == k + 1
 
 
 def test_a_token_that_depends_on_the_step_shape_still_follows_the_reference(monkeypatch):

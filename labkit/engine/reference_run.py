@@ -17,8 +17,9 @@ reads the keys before it, so a token comes out the same whichever row of a verif
 computes it, and the timed run, whatever its coins accept, stays on its reference. What can
 still differ is said in :func:`reference_tokens`.
 
-The reference engine is built once per timed engine and kept (graphs are captured once), with
-a KV cache sized for the requests it is asked about, rebuilt larger when a call needs more.
+The reference engine is built once and kept on the model, shared by the engines over it with
+the same options and k (graphs are captured once), with a KV cache sized for the requests it
+is asked about, rebuilt larger when a call needs more.
 """
 from __future__ import annotations
 
@@ -63,17 +64,25 @@ def reference_tokens(llm, token_ids: Sequence[list[int] | None],
 
 
 def reference_engine(llm, num_blocks: int):
-    """``llm``'s reference engine (built on first use, kept), with at least ``num_blocks`` KV
-    blocks, never more than ``llm`` has: configured as ``llm``, speculating with the controlled
-    draft at acceptance 0, no prefix caching, no async scheduling."""
+    """``llm``'s reference engine, with at least ``num_blocks`` KV blocks (never more than
+    ``llm`` has): configured as ``llm``, speculating with the controlled draft at acceptance 0,
+    no prefix caching, no async scheduling. Built on first use and kept on the model, shared by
+    every engine over it with the same options and k (each would otherwise capture graphs of
+    its own: notebook 11 builds a dozen timed engines over two models); rebuilt larger when a
+    call needs more blocks. Between calls it holds no request, so sharing it changes nothing."""
     num_blocks = min(llm.block_manager.num_blocks, max(num_blocks, 1))
-    engine = getattr(llm, "_reference_llm", None)
+    spec = llm.scheduler.config.speculative
+    key = (spec.num_speculative_tokens, repr(sorted(llm.options.items())))
+    shared = getattr(llm.model, "_reference_engines", None)
+    if shared is None:
+        shared = llm.model._reference_engines = {}
+    engine = shared.get(key)
     if engine is None or engine.block_manager.num_blocks < num_blocks:
-        spec = llm.scheduler.config.speculative
-        llm._reference_llm = engine = type(llm)(
+        engine = shared[key] = type(llm)(
             llm.model, num_blocks=num_blocks, enable_prefix_caching=False,
             async_scheduling=False, tokenizer=None, device_step_times=False,
             speculative=SpeculativeConfig("controlled", spec.num_speculative_tokens,
                                           acceptance=0.0, seed=spec.seed),
             **llm.options)
+    llm._reference_llm = engine
     return engine
