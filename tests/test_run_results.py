@@ -70,6 +70,24 @@ def test_the_attention_notebooks_read_the_runs_benchmark_and_say_so(run_folder, 
     assert rl.live_source({}, "NVIDIA H200") == "measured now on NVIDIA H200"
 
 
+def test_the_mla_notebook_reads_the_runs_decode_benchmark_and_says_so(run_folder, monkeypatch):
+    from labkit.device import fingerprint
+    from labkit.lessons.mla import decode
+    calls = []
+    monkeypatch.setattr(decode, "measure_decode", lambda **k: calls.append(k) or {"cases": {}})
+    case = {"us": 105.2, "gbps": 2870.0}
+    saved(run_folder, {"copy_gbps": 4278.0, "ridge": 177.0,
+                       "sections": {"batch 64": {"MLA 16 heads": case}, "batch 1": {}}},
+          fingerprint(), name="mla_decode.json")
+    measured, where = decode.live_decode(rounds=5)
+    assert measured["cases"] == {"MLA 16 heads": case} and measured["ridge"] == 177.0
+    assert where == decode.MEASURED_EARLIER and calls == []
+    saved(run_folder, {"sections": {"batch 64": {"error": "RuntimeError: no"}}}, fingerprint(),
+          name="mla_decode.json")  # the benchmark's section failed: measure it now
+    assert decode.live_decode(rounds=3) == ({"cases": {}}, "timed here")
+    assert calls == [{"rounds": 3, "device": "cuda"}]
+
+
 @pytest.mark.parametrize("skip", [[], ["benchmarks"]])
 def test_gpu_check_runs_the_benchmarks_first_and_hands_them_to_the_notebooks(tmp_path,
                                                                              monkeypatch, skip):

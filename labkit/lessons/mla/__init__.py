@@ -18,8 +18,8 @@ from labkit.lessons.mla.cache_bytes import (bytes_claims, counted_flops_claim, d
                                             intensity_claim, intensity_figure, mla_flops,
                                             per_byte_claim, roof_us, scheme_table)
 from labkit.lessons.mla.decode import (decode_claims, decode_inputs, decode_table, gqa_decode,
-                                       latent_decode, measure_decode, rate, replayed,
-                                       roofline_figure, roofs, timed)
+                                       latent_decode, live_decode, measure_decode, rate,
+                                       replayed, roofline_figure, roofs, timed)
 from labkit.lessons.mla.kernel import (kernel_check, kernel_claim, kernel_loop_source,
                                        prefill_flops, prefill_paths)
 from labkit.lessons.mla.serving import engine_claim, engine_tokens, tiny_mla_config
@@ -28,9 +28,10 @@ from labkit.lessons.paged_kv_cache.attention_memory import DEEPSEEK_V3
 
 __all__ = [
     "BLOCK", "DEEPSEEK_V3", "RANK", "ROPE", "SCALE", "absorption_check", "absorption_claims",
-    "bytes_claims", "counted_flops_claim", "decode_claims", "decode_inputs", "decode_intensity", "decode_step_flops",
-    "decode_table", "engine_claim", "engine_tokens", "gqa_decode", "intensity_claim",
-    "intensity_figure", "kernel_check", "kernel_claim", "kernel_loop_source", "latent_decode",
-    "measure_decode", "mla_flops", "per_byte_claim", "prefill_flops", "prefill_paths", "rate",
-    "replayed", "roof_us", "roofline_figure", "roofs", "scheme_table", "timed", "tiny_mla_config",
+    "bytes_claims", "counted_flops_claim", "decode_claims", "decode_inputs", "decode_intensity",
+    "decode_step_flops", "decode_table", "engine_claim", "engine_tokens", "gqa_decode",
+    "intensity_claim", "intensity_figure", "kernel_check", "kernel_claim", "kernel_loop_source",
+    "latent_decode", "live_decode", "measure_decode", "mla_flops", "per_byte_claim",
+    "prefill_flops", "prefill_paths", "rate", "replayed", "roof_us", "roofline_figure", "roofs",
+    "scheme_table", "timed", "tiny_mla_config",
 ]

@@ -148,6 +148,22 @@ def measure_decode(rounds: int = 5, batch: int = 64, ctx: int = 4096, heads=(16,
     return {**roof, "rounds": rounds, "batch": batch, "ctx": ctx, "cases": results}
 
 
+MEASURED_EARLIER = "measured earlier in this gpu-check run by benchmarks/mla_decode.py"
+
+
+def live_decode(rounds: int = 5, device="cuda") -> tuple[dict, str]:
+    """Notebook 10's batch-64 decode figures on a GPU and where they come from: measured now
+    (:func:`measure_decode`), or, inside ``make gpu-check``, which ran
+    ``benchmarks/mla_decode.py`` on this machine before its notebooks, that run's results
+    (``labkit.tools.run_results``): the same cases at the same shapes, not timed twice."""
+    from labkit.tools.run_results import this_run
+    saved = this_run("mla_decode.json")
+    cases = (saved or {}).get("sections", {}).get("batch 64")
+    if isinstance(cases, dict) and all(isinstance(r, dict) and "us" in r for r in cases.values()):
+        return {**saved, "cases": cases}, MEASURED_EARLIER
+    return measure_decode(rounds=rounds, device=device), "timed here"
+
+
 def decode_table(measured: dict) -> pd.DataFrame:
     """One row per case: time, GB/s and share of copy with ranges, TFLOP/s, share of roof."""
     rows = []
