@@ -49,11 +49,10 @@ def reference_tokens(llm, token_ids: Sequence[list[int] | None],
     references: list[list[int] | None] = [None] * len(token_ids)
     if not todo:
         return references
-    k, bs, max_len = spec.num_speculative_tokens, llm.block_manager.block_size, \
-        llm.runner.max_model_len
+    k, bs = spec.num_speculative_tokens, llm.block_manager.block_size
     # each request at full length, plus the k draft slots a verify step holds before rollback
-    need = sum(-(-min(len(token_ids[i]) + params[i].max_tokens + k, max_len) // bs)
-               for i in todo)
+    need = sum(-(-min(len(token_ids[i]) + params[i].max_tokens + k, llm.runner.max_model_len)
+                 // bs) for i in todo)
     engine = reference_engine(llm, need)
     ids = {engine.add_request(token_ids[i], params[i], reference=[0] * params[i].max_tokens): i
            for i in todo}  # the dummy reference only shapes the (always wrong) drafts
