@@ -115,6 +115,7 @@ def sweep(out_dir: Path | None = None, only: list[str] | None = None) -> list[di
     import dataclasses
     import itertools
     from labkit.kernels.grid import cdiv
+    from labkit.kernels.paged_attention_split import keys_per_split
     from labkit.kernels.paged_mla_attention import plan_mla
     from labkit.lessons.mla import replayed
     from labkit.measure.bench import measure
@@ -137,7 +138,7 @@ def sweep(out_dir: Path | None = None, only: list[str] | None = None) -> list[di
                               "KEYS_ON_M": keys_on_m},
                 launch={"num_warps": warps, "num_stages": stages},
                 grid=(batch, cdiv(heads, group), ns), num_splits=ns,
-                keys_per_split=cdiv(cdiv(ctx, ns), bn) * bn)
+                keys_per_split=keys_per_split(ctx, ns, bn))
             row = {"batch": batch, "heads": heads, "ctx": ctx, "keys_on_m": keys_on_m,
                    "group": group, "block_n": bn, "warps": warps, "stages": stages,
                    "splits": ns, "l2": l2_statement(nbytes, DEV, flushed=flush)}

@@ -53,7 +53,8 @@ from labkit import check_positive_int
 from labkit.kernels.attention_checks import (check_cache, check_cu_seqlens, check_tables,
                                              check_window, resolve_max_query_len,
                                              softmax_scale)
-from labkit.kernels.paged_attention_split import choose_num_splits, merge_splits, num_sms
+from labkit.kernels.paged_attention_split import (choose_num_splits, keys_per_split, merge_splits,
+                                                  num_sms)
 from labkit.kernels.paged_attention_tiles import check_tuning, tile_plan
 
 @triton.jit
@@ -291,12 +292,12 @@ def plan_paged_attention(fp8: bool, num_q_heads: int, cache_shape, batch: int, m
                                        num_sms(torch.device(device)))
     check_positive_int("num_splits", num_splits, hint="or None to choose")
     block_n = consts["BLOCK_N"]
-    keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    if keys_per_split <= block_n:  # one key tile a program: the four-warp tile (tile_plan)
+    share = keys_per_split(max_seq_len, num_splits, block_n)
+    if share <= block_n:  # one key tile a program: the four-warp tile (tile_plan)
         consts, launch = tile_plan(fp8, head_dim, num_q_heads // num_kv_heads, max_query_len,
                                    causal, tuning, one_tile=True)
     return PagedAttentionPlan(consts, launch, (batch, num_kv_heads, q_tiles * num_splits),
-                              num_splits, keys_per_split, softmax_scale(scale, head_dim), window,
+                              num_splits, share, softmax_scale(scale, head_dim), window,
                               head_dim, block_size, empty=batch == 0 or max_query_len == 0)
 
 if __name__ == "__main__":

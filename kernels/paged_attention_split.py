@@ -63,6 +63,13 @@ def choose_num_splits(programs: int, max_seq_len: int, num_sms: int, waves: int 
     return max(1, min(wanted, useful, max_splits))
 
 
+def keys_per_split(seq_len: int, num_splits: int, block_n: int) -> int:
+    """The keys each split of a ``seq_len``-key sequence reads: an even share, rounded up to
+    whole ``block_n``-key tiles (the last split takes what is left). The kernels deal each
+    sequence's own share on the device by the same rule; a plan keeps the longest sequence's."""
+    return cdiv(cdiv(max(seq_len, 1), num_splits), block_n) * block_n
+
+
 @triton.jit
 def _merge_splits_kernel(Partial, Lse, Out, num_splits,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot,

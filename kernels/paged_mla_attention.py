@@ -51,7 +51,7 @@ from labkit.kernels.attention_checks import (check_cu_seqlens, check_flag, check
                                              check_tables, resolve_max_query_len, softmax_scale)
 from labkit.kernels.grid import cdiv, next_power_of_2
 from labkit.kernels.paged_attention_split import (MAX_SPLITS, WAVES, choose_num_splits,
-                                                   merge_splits, num_sms)
+                                                   keys_per_split, merge_splits, num_sms)
 from labkit.kernels.pdl import launch_options, pdl_for, wait_for_kernel_ahead
 
 LOG2_E = 1.4426950408889634
@@ -290,12 +290,12 @@ def plan_mla(num_heads: int, rank: int, cache_shape, batch: int, max_seq_len: in
     while not interp and block_n > 16 and shared_memory_bytes(
             rows, block_n, cache_shape[2], element_size) > SHARED_MEMORY_BYTES:
         block_n //= 2
-    keys_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    share = keys_per_split(max_seq_len, num_splits, block_n)
     consts = {"HEADS": heads, "BLOCK_Q": block_q, "BLOCK_N": block_n, "CAUSAL": bool(causal),
               "PRECISION": "ieee" if dtype == torch.float32 else "tf32",  # 16-bit: unused
               "KEYS_ON_M": bool(keys_on_m)}
     grid = (batch if max_query_len > 0 else 0, head_groups, q_tiles * num_splits)
-    return MLAPlan(consts, launch, grid, num_splits, keys_per_split, scale, cache_shape[1])
+    return MLAPlan(consts, launch, grid, num_splits, share, scale, cache_shape[1])
 
 
 def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, cu_seqlens_q, seq_lens,

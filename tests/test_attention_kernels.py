@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import labkit  # noqa: F401
 from labkit.attention import paged_attention, paged_attention_ref
-from labkit.kernels.paged_attention_split import (choose_num_splits, merge_splits,
-                                                  merge_splits_ref)
+from labkit.kernels.paged_attention_split import (choose_num_splits, keys_per_split,
+                                                  merge_splits, merge_splits_ref)
 
 from attention_cases import CPU_TOL, FP8, captured, fresh_seed, max_err, paged, rel_err
 
@@ -208,6 +208,12 @@ def test_decode_of_heads_128_wide_takes_32_key_tiles_with_the_prefetch(monkeypat
     assert tile(head_dim=256) == (32, 4, False), "heads of 256: 32 keys already, no prefetch"
     assert tile(tuning={"block_n": 64}) == (64, 4, True), "tuning wins"
     assert tile(tuning={"prefetch": False}) == (32, 4, False), "tuning wins"
+
+
+def test_a_splits_share_of_keys_is_an_even_share_in_whole_tiles():
+    assert keys_per_split(300, 4, 64) == 128, "75 keys a split, rounded up to two 64-key tiles"
+    assert keys_per_split(4096, 2, 32) == 2048
+    assert keys_per_split(37, 4, 64) == keys_per_split(0, 4, 64) == 64, "at least one tile"
 
 
 def test_split_is_chosen_only_when_the_gpu_would_be_underfilled():
