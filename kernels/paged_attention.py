@@ -36,6 +36,9 @@ lost on an H200 (B64, ctx 4k, 7 interleaved rounds): V widened to float16 in reg
 its transpose, which then goes by ldmatrix (961 instructions a warp per iteration instead of
 1,281), ran 0.86x: the extra round trip through shared memory sits on the loop's critical
 path; and scores as an fp8 x fp8 product (q quantised per row) ran 1.00x, with more error.
+A third lost by more: V stored transposed in each block (keys contiguous, so P @ V needs no
+on-chip transpose) ran 0.41x, with P and V in fp8 as well 0.41x: with 16-token blocks a head
+dimension's keys are 16 bytes, half of the 32-byte sector each load fetches.
 """
 from __future__ import annotations
 

@@ -33,6 +33,14 @@ programs of fewer than 64 rows, where it measured faster on an H200
 (``benchmarks/mla_decode.py``); with 64 heads a program the rows fill M and the plain
 orientation stays.
 
+How the tiles arrive matters less. With blocks of 64 tokens a 64-key tile is one contiguous
+72 KiB run of the cache, which the Tensor Memory Accelerator (TMA) can copy by descriptor
+instead of the threads computing an address per 16 bytes. A keys-on-M variant loading c_kv in
+two 256-wide boxes and k_pe in one (TMA boxes are at most 256 wide) ran 0.997x (0.99-1.01) at
+batch 64 with 16 heads and 1.03x (1.03-1.05) at batch 1 over 32k tokens on an H200 (5
+interleaved rounds): address generation is not what holds this loop back, so the pointer
+loads stay.
+
 Masking is ``paged_attention``'s: a sequence's new tokens are the last ``len_q`` of its
 ``seq_lens`` tokens, and with ``causal`` token i sees keys up to its own position.
 The reference is ``paged_mla_attention_ref`` in ``labkit/attention/reference.py``.
