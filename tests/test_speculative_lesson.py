@@ -173,6 +173,7 @@ def test_the_gpu_cost_claim_reads_batch_one_k_four_on_the_gpus_clock():
                           "gpu_high": [1.1, 1.25, 1.7]})
     c = sp.gpu_cost_claim(costs, "here")
     assert c.held and "1.10-1.25x" in c.text and "1.00-1.10x" in c.text
+    assert "decode 1.10 ms, verify 1.30 ms" in c.text, "each figure named, not paired by order"
     assert not sp.gpu_cost_claim(costs.assign(gpu_high=[1.1, 2.2, 1.7]), "here").held
 
 
