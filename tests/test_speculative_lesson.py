@@ -180,7 +180,10 @@ def test_the_gpu_cost_claim_reads_batch_one_k_four_on_the_gpus_clock():
 def test_the_graph_claim_needs_replays_in_every_cell_on_a_gpu():
     costs = pd.DataFrame({"batch": [1, 8], "k": [4, 4], "full_decode_share": [1.0, 0.9],
                           "full_verify_share": [0.75, 0.8]})
-    assert sp.graph_claim(costs, gpu=True, where="here").held
+    made = sp.graph_claim(costs, gpu=True, where="here")
+    assert made.held and "75%-80% of the verify steps" in made.text
+    assert "and 100% of the decode steps" in sp.graph_claim(
+        costs.assign(full_decode_share=[1.0, 1.0]), gpu=True, where="here").text
     # verify steps that fell back to piecewise graphs: the medians compared other things
     assert not sp.graph_claim(costs.assign(full_verify_share=[0.75, 0.0]), True, "here").held
     assert not sp.graph_claim(costs, gpu=False, where="here").held, "a CPU replays none"

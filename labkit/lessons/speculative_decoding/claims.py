@@ -54,19 +54,25 @@ def gpu_cost_claim(costs: pd.DataFrame, where: str):
                  where=where)
 
 
+def _shares(column: pd.Series) -> str:
+    """A range of shares by cell, one figure when every cell has the same ("100%", not
+    "100%-100%")."""
+    lo, hi = f"{column.min():.0%}", f"{column.max():.0%}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def graph_claim(costs: pd.DataFrame, gpu: bool, where: str):
     """Which steps the cost comparison timed: on a GPU, every cell's medians are over steps that
     replayed a full graph (and there were some); on a CPU none did."""
     verify, decode = costs.full_verify_share, costs.full_decode_share
     if gpu:
-        return claim("{vlo:.0%}-{vhi:.0%} of the verify steps (by cell) replayed a full CUDA "
-                     "Graph captured for their request bucket and k + 1 tokens a request, and "
-                     "{dlo:.0%}-{dhi:.0%} of the decode steps a full decode graph {where}; each "
-                     "median above is over those replays alone, a graph replay against a graph "
-                     "replay (the rest, where drafts came up short near a request's end, ran "
-                     "piecewise graphs).", verify.min() > 0 and decode.min() > 0,
-                     vlo=verify.min(), vhi=verify.max(), dlo=decode.min(), dhi=decode.max(),
-                     where=where)
+        return claim("{v} of the verify steps (by cell) replayed a full CUDA Graph captured "
+                     "for their request bucket and k + 1 tokens a request, and {d} of the "
+                     "decode steps a full decode graph {where}; each median above is over those "
+                     "replays alone, a graph replay against a graph replay (the rest, where "
+                     "drafts came up short near a request's end, ran piecewise graphs).",
+                     verify.min() > 0 and decode.min() > 0, v=_shares(verify),
+                     d=_shares(decode), where=where)
     return claim("{v:.0%} of the timed verify steps and {d:.0%} of the decode steps replayed a "
                  "full CUDA Graph {where}: full graphs need a CUDA device, so every step here "
                  "ran eagerly.", verify.max() == 0 and decode.max() == 0, v=verify.max(),
