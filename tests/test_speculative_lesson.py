@@ -65,6 +65,9 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
     assert speed.same_tokens.all() and speed.tokens_per_forward.iloc[0] > 4
     assert (speed.versus_async_low <= speed.versus_async).all() and \
         (speed.versus_async <= speed.versus_async_high).all()
+    row = speed.iloc[0]  # the ratios and the per-token times come from the same runs
+    assert row.spec_ms_per_token < row.plain_ms_per_token and row.async_ms_per_token > 0
+    assert row.plain_ms_per_token / row.spec_ms_per_token == pytest.approx(row.speedup, rel=0.5)
     assert "versus_async" not in sp.speedups(model, accepts=(1.0,), ks=(2,), max_tokens=8,
                                             rounds=1, device="cpu"), "off by default on a CPU"
     assert (costs.full_decode_share == 0).all() and (costs.full_verify_share == 0).all(), \
@@ -130,8 +133,13 @@ def test_claims_fail_on_figures_that_contradict_them():
     held = [c.held for c in sp.speedup_claims(speed, 0.15, "here")]
     assert held == [True, False, True], "2.0 against a predicted 2.6 is 23% off"
     # against an async plain loop the speed-up can only shrink: a larger one contradicts it
-    fast = speed.assign(versus_async=[1.5], versus_async_low=[1.4], versus_async_high=[1.6])
-    assert [c.held for c in sp.speedup_claims(fast, 0.15, "here")] == [True, False, True, True]
+    fast = speed.assign(versus_async=[1.5], versus_async_low=[1.4], versus_async_high=[1.6],
+                        spec_ms_per_token=[0.5], async_ms_per_token=[0.75],
+                        plain_ms_per_token=[1.0])
+    made = sp.speedup_claims(fast, 0.15, "here")
+    assert [c.held for c in made] == [True, False, True, True]
+    assert "0.50 ms speculating, 0.75 ms plain with async scheduling, 1.00 ms plain" in \
+        made[2].text, "the ratio's parts, each named"
     faster = fast.assign(versus_async=[2.05])
     assert [c.held for c in sp.speedup_claims(faster, 0.15, "here")][2] is False
     # in bf16 outputs may differ at near ties: no equality claim is made, held or not

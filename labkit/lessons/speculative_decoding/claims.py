@@ -105,10 +105,14 @@ def speedup_claims(speed: pd.DataFrame, tolerance: float, where: str, exact: boo
             "step's accepted tokens), the best setting (acceptance {a}, k = {k}) gave "
             "{lo:.2f}-{hi:.2f}x {where} (median {m:.2f}x), no more than the {slo:.2f}-{shi:.2f}x "
             "(median {sm:.2f}x) it gave against the same loop: the host time async scheduling "
-            "hides is what this engine's speculation pays for.",
+            "hides is what this engine's speculation pays for. Per output token: "
+            "{spec:.2f} ms speculating, {asy:.2f} ms plain with async scheduling, {plain:.2f} ms "
+            "plain on the speculating engine's loop (medians over the rounds).",
             bool(top.versus_async <= top.speedup), a=top.acceptance, k=int(top.k),
             lo=top.versus_async_low, hi=top.versus_async_high, m=top.versus_async,
-            slo=top.low, shi=top.high, sm=top.speedup, where=where))
+            slo=top.low, shi=top.high, sm=top.speedup, where=where,
+            spec=top.spec_ms_per_token, asy=top.async_ms_per_token,
+            plain=top.plain_ms_per_token))
     if exact:
         claims.append(claim("Greedy outputs with speculation equal plain decoding's in all {n} "
                             "settings.", bool(speed.same_tokens.all()), n=len(speed)))

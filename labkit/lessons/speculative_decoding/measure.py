@@ -182,13 +182,22 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
                "expected_tokens": expected, "relative_cost": cost.median,
                "predicted": expected / cost.median,
                "speedup": speed.median, "low": speed.low, "high": speed.high,
-               "same_tokens": all(s["tokens"] == p["tokens"] for p, s in pairs)}
+               "same_tokens": all(s["tokens"] == p["tokens"] for p, s in pairs),
+               # what each ratio is made of: ms per output token, median over the rounds
+               "plain_ms_per_token": _ms_per_token(p for p, _ in pairs),
+               "spec_ms_per_token": _ms_per_token(s for _, s in pairs)}
         if async_engine is not None:
             fast = Spread.of([s["tokens_per_s"] / q["tokens_per_s"] for _, s, q in triples])
             row |= {"versus_async": fast.median, "versus_async_low": fast.low,
-                    "versus_async_high": fast.high}
+                    "versus_async_high": fast.high,
+                    "async_ms_per_token": _ms_per_token(q for _, _, q in triples)}
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _ms_per_token(runs) -> float:
+    """The median over ``runs`` (``decode_span`` results) of milliseconds per output token."""
+    return statistics.median(1e3 / run["tokens_per_s"] for run in runs)
 
 
 def acceptance_check(model, accepts=(0.5, 0.8, 0.9), ks=(1, 2, 4), batch: int = 16,
