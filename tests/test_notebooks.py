@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from labkit.tools.run_notebooks import execute, notebooks
+from labkit.tools.run_notebooks import (NotebookRun, execute, notebooks, slowest_cells,
+                                        summary_table)
 
 MAX_EXECUTED_BYTES = 2_000_000
 NOTEBOOKS = notebooks()
@@ -30,9 +31,21 @@ def test_notebook_runs_and_shows_what_it_promises(path, executed_notebook):
     assert run.time_budget_s, f"{path.name} has no labkit.time_budget_s in its metadata"
     assert run.seconds <= run.time_budget_s, (
         f"{path.name} took {run.seconds:.0f} s with QUICK=True, over its {run.time_budget_s} s budget")
+    assert run.slowest_cells and run.slowest_cells[0][1] > 0, "papermill's cell durations"
     assert run.size_bytes < MAX_EXECUTED_BYTES, (
         f"executed {path.name} is {run.size_bytes / 1e6:.1f} MB; keep it under 2 MB "
         "(thin the timelines, or show fewer points)")
+
+
+def test_a_run_names_its_slowest_cells_where_its_time_went():
+    nb = {"cells": [{"id": "a", "metadata": {"papermill": {"duration": 1.25}}},
+                    {"id": "b", "metadata": {"papermill": {"duration": 9.0}}},
+                    {"id": "c", "metadata": {}},  # a markdown cell: papermill times none
+                    {"id": "d", "metadata": {"papermill": {"duration": 3.04}}}]}
+    assert slowest_cells(nb, top=2) == [("b", 9.0), ("d", 3.0)]
+    assert slowest_cells({}) == []
+    run = NotebookRun("11_x", "ok", 13.3, 1, 1, 10, "", 0, slowest_cells=[("b", 9.0)])
+    assert "slowest cells: b 9.0 s" in summary_table([run])
 
 
 def test_an_unknown_parameter_is_an_error_not_a_silent_default(tmp_path):

@@ -99,6 +99,7 @@ def test_gpu_check_runs_the_benchmarks_first_and_hands_them_to_the_notebooks(tmp
 
     class Run:
         notebook, status, seconds, error, claims, claims_failed = "06_x", "ok", 1.0, "", [], 0
+        slowest_cells = [("06-03", 0.75)]
 
     def execute(path, out_dir, parameters):
         order.append(path.stem)
@@ -117,3 +118,5 @@ def test_gpu_check_runs_the_benchmarks_first_and_hands_them_to_the_notebooks(tmp
         assert order == ["bench-attention", "06_x"], "benchmarks before notebooks"
         assert seen == [str((out / "benchmarks").resolve())]
     assert RESULTS_ENV not in os.environ, "the variable is set for the notebooks only"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary[-1]["slowest_cells"] == [["06-03", 0.75]], "where the notebook's time went"

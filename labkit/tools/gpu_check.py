@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table, flush=True)
         steps += [{"step": f"notebook {r.notebook}", "rc": int(r.status != "ok"),
                    "seconds": r.seconds, "claims": len(r.claims),
-                   "claims_failed": r.claims_failed} for r in runs]
+                   "claims_failed": r.claims_failed, "slowest_cells": r.slowest_cells}
+                  for r in runs]
     (out / "summary.json").write_text(json.dumps(steps, indent=1))
     failed = [s["step"] for s in steps if s["rc"] != 0]
     print(f"gpu-check: {len(steps) - len(failed)} passed, {len(failed)} failed {failed or ''}")

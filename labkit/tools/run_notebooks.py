@@ -34,6 +34,8 @@ class NotebookRun:
     size_bytes: int
     error: str = ""
     claims: list = field(default_factory=list)  # every claim the run made, in order
+    # the cells that took longest, [(cell id, seconds)], slowest first: where a run's time went
+    slowest_cells: list = field(default_factory=list)
 
     @property
     def claims_failed(self) -> int:
@@ -65,6 +67,17 @@ def count_figures(nb: dict) -> int:
     return sum(PLOTLY_MIME in out.get("data", {})
                for cell in nb.get("cells", []) if cell.get("cell_type") == "code"
                for out in cell.get("outputs", []))
+
+
+def slowest_cells(nb: dict, top: int = 3) -> list[tuple[str, float]]:
+    """The ``top`` code cells that took longest in an executed notebook, from the duration
+    papermill writes into each cell's metadata: [(cell id, seconds)], slowest first."""
+    timed = [(cell.get("id", f"cell {i}"), float(duration))
+             for i, cell in enumerate(nb.get("cells", []))
+             if (duration := cell.get("metadata", {}).get("papermill", {}).get("duration"))
+             is not None]
+    return [(cell, round(seconds, 1)) for cell, seconds in
+            sorted(timed, key=lambda item: -item[1])[:top]]
 
 
 def execute(path: Path, out_dir: Path, parameters: dict, timeout_s: int = 1800) -> NotebookRun:
@@ -101,7 +114,8 @@ def execute(path: Path, out_dir: Path, parameters: dict, timeout_s: int = 1800) 
         notebook=path.stem, status="failed" if error else "ok", seconds=round(seconds, 1),
         figures=count_figures(nb), expected_figures=int(meta.get("expected_figures", 0)),
         time_budget_s=meta.get("time_budget_s"), output=str(out),
-        size_bytes=out.stat().st_size if out.exists() else 0, error=error, claims=made)
+        size_bytes=out.stat().st_size if out.exists() else 0, error=error, claims=made,
+        slowest_cells=slowest_cells(nb))
 
 
 def summary_table(runs: list[NotebookRun]) -> str:
@@ -112,6 +126,9 @@ def summary_table(runs: list[NotebookRun]) -> str:
         lines.append(f"{r.notebook:<28} {r.status:<7} {r.seconds:>8.1f} "
                      f"{r.figures:>4}/{r.expected_figures:<3} {r.size_bytes / 1e3:>7.0f}kB "
                      f"{held:>12}")
+        if r.slowest_cells:
+            lines.append("    slowest cells: " + ", ".join(f"{cell} {seconds:.1f} s"
+                                                           for cell, seconds in r.slowest_cells))
     ok = sum(r.status == "ok" for r in runs)
     lines.append(f"{ok} passed, {len(runs) - ok} failed")
     return "\n".join(lines)
