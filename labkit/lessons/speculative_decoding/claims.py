@@ -47,8 +47,8 @@ def gpu_cost_claim(costs: pd.DataFrame, where: str):
     return claim("On the GPU's own clock a verify step of k = 4 at batch {b} cost "
                  "{lo:.2f}-{hi:.2f}x a decode step (medians of device time: decode {d:.2f} ms, "
                  "verify {v:.2f} ms) {where}, where their wall times gave {wlo:.2f}-{whi:.2f}x: "
-                 "four more tokens a "
-                 "request ride on the same weight reads, less than 2x for 5x the tokens.",
+                 "four more tokens a request ride on the same weight reads, less than 2x for 5x "
+                 "the tokens.",
                  row.gpu_high < 2, b=int(row.batch), lo=row.gpu_low, hi=row.gpu_high,
                  d=row.decode_gpu_ms, v=row.verify_gpu_ms, wlo=row.low, whi=row.high,
                  where=where)
