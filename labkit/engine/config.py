@@ -337,7 +337,8 @@ class SchedulerConfig:
             if self.speculative.method == "controlled" and self.vocab_size is None:
                 raise ValueError("speculative method 'controlled' needs vocab_size: its wrong "
                                  "drafts are drawn from the vocabulary")
-            if self.async_scheduling:
-                raise ValueError("speculative decoding proposes from tokens the host knows, "
-                                 "which async scheduling has not read back yet: turn "
-                                 "async_scheduling off to speculate")
+            if self.async_scheduling and self.speculative.method != "controlled":
+                raise ValueError(f"speculative method {self.speculative.method!r} proposes "
+                                 "from the request's tokens, which async scheduling has not "
+                                 "read back yet: turn async_scheduling off, or use method "
+                                 "'controlled' (its drafts depend on the position alone)")

@@ -29,6 +29,7 @@ class DeviceMetadata:
     seq_lens: torch.Tensor        # [num_rows]
     block_tables: torch.Tensor    # [num_rows, max_blocks]
     logits_indices: torch.Tensor  # [num_sampled]
+    sample_rows: torch.Tensor | None = None  # [num_sampled] which sampling row each is from
 
 
 def decode_inputs(md: DeviceMetadata) -> tuple[torch.Tensor, ...]:
@@ -38,14 +39,20 @@ def decode_inputs(md: DeviceMetadata) -> tuple[torch.Tensor, ...]:
 
 
 def metadata_to_device(md: StepMetadata, staging: PinnedStagingPool | None,
-                       prev_tokens: torch.Tensor | None = None) -> DeviceMetadata:
+                       prev_tokens: torch.Tensor | None = None,
+                       prev_accepted: torch.Tensor | None = None,
+                       block_size: int | None = None) -> DeviceMetadata:
     """One int32 buffer, one host-to-device copy on the copy stream; the compute stream
     waits on its event (the host does not). Input tokens still PENDING on the host are
-    taken from ``prev_tokens``, the previous step's samples on the device. ``staging``: the
-    runner's pinned buffers (None on CPU: the buffer is used where it is)."""
+    taken from ``prev_tokens``, the previous step's samples on the device (one per row that
+    samples). Rows planned ahead of the previous step's accepted counts (async speculation)
+    are moved by ``prev_accepted`` (:func:`move_rows_ahead`; ``block_size`` gives their slots).
+    ``staging``: the runner's pinned buffers (None on CPU: the buffer is used where it is)."""
     width = md.block_tables.shape[1]
     parts = (md.input_ids, md.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
-             md.block_tables, md.logits_indices, md.pending_dst, md.pending_src)
+             md.block_tables, md.logits_indices, md.pending_dst, md.pending_src, md.shift_dst,
+             md.shift_src, md.shift_off, md.shift_row, md.shift_win, md.window, md.shift_rows,
+             md.shift_rows_src, md.sample_rows)
     sizes = [len(p) for p in parts]
     sizes[5] = md.block_tables.size
     # numpy converts a list of ints in C: a mixed step's padded block tables alone are
@@ -58,11 +65,40 @@ def metadata_to_device(md: StepMetadata, staging: PinnedStagingPool | None,
         host = staging.stage(flat.shape, torch.int32)
         host.copy_(flat)
         buf = staging.submit().wait()
-    ids, pos, slots, cu, lens, tables, logits_idx, dst, src = buf.split(sizes)
-    if len(md.pending_dst):
+    ids, pos, slots, cu, lens, tables, logits_idx, dst, src, *ahead, sample_rows = \
+        buf.split(sizes)
+    tables = tables.view(len(md.seq_lens), width)
+    if len(md.pending_dst) or len(md.shift_dst):
         if prev_tokens is None:
             raise RuntimeError("this step reads tokens sampled by the previous one: pass "
                                "that step's device tokens (async scheduling)")
+    if len(md.pending_dst):
         ids = ids.index_put((dst.long(),), prev_tokens[src.long()].to(ids.dtype))
-    return DeviceMetadata(ids, pos, slots, cu, lens, tables.view(len(md.seq_lens), width),
-                          logits_idx)
+    if len(md.shift_dst):
+        if prev_accepted is None or block_size is None:
+            raise RuntimeError("rows planned ahead of the previous step's accepted counts: "
+                               "pass them (prev_accepted) and the block size")
+        ids, pos, slots, lens = move_rows_ahead(ids, pos, slots, lens, tables, *ahead,
+                                                prev_tokens, prev_accepted, block_size)
+    return DeviceMetadata(ids, pos, slots, cu, lens, tables, logits_idx, sample_rows)
+
+
+def move_rows_ahead(ids, pos, slots, lens, tables, dst, src, off, row, win, window, rows,
+                    rows_src, prev_tokens, prev_accepted, block_size):
+    """Async speculation on the device: a row planned as if the step in flight kept none of
+    its drafts moves by the A it kept (``prev_accepted[src]``): its positions and length grow by
+    A, its first token is that step's next token (``prev_tokens[src]``), its drafts are
+    ``window[win + A]``, and its slots are read from its block table at the new positions (the
+    blocks were held for the longest outcome). Returns the new ids, positions, slots, lengths;
+    nothing is read back to the host."""
+    dst, src, row = dst.long(), src.long(), row.long()
+    shift = prev_accepted[src].to(pos.dtype)
+    moved = pos[dst] + shift
+    first = off == 0
+    token = torch.where(first, prev_tokens[src].to(ids.dtype),
+                        window[win.long() + torch.where(first, 0, shift).long()])
+    block = tables[row, (moved // block_size).long()]
+    return (ids.index_put((dst,), token), pos.index_put((dst,), moved),
+            slots.index_put((dst,), block * block_size + moved % block_size),
+            lens.index_put((rows.long(),), lens[rows.long()]
+                           + prev_accepted[rows_src.long()].to(lens.dtype)))

@@ -56,7 +56,9 @@ class LLM(StepLoop):
     ``decode_context_buckets``: key full decode graphs by (batch, context bucket) too, so each
     plans attention's KV splits for its context instead of ``max_model_len`` (default: one
     key per batch bucket).
-    ``async_scheduling`` (default: on with CUDA) schedules step N+1 while step N computes.
+    ``async_scheduling`` (default: on with CUDA, off with ``speculative``) schedules step N+1
+    while step N computes; with speculation only the controlled draft can (its drafts depend
+    on the position alone: ``labkit.engine.scheduler`` explains how a row is planned ahead).
     ``fused_ops`` runs each layer's small ops as three fused Triton kernels (default: on with
     CUDA, eager steps included): replayed, a step is GPU time and the fused kernels save it
     (``recorded_data/prefill_vs_decode.json`` has the measured gain); launched eagerly, a step
@@ -151,7 +153,7 @@ class LLM(StepLoop):
                         "cudagraph_capture_sizes": cudagraph_capture_sizes,
                         "decode_context_buckets": decode_context_buckets,
                         "compile": bool(compile)}
-        if async_scheduling is None:  # speculation proposes from tokens read back already
+        if async_scheduling is None:  # speculation: the synchronous loop unless asked
             async_scheduling = self.device.type == "cuda" and speculative is None
         self.async_scheduling = bool(async_scheduling)
         self.scheduler = Scheduler(SchedulerConfig(

@@ -83,6 +83,11 @@ class ScheduledSeq:
     # Speculative decoding: the last ``num_draft`` tokens are proposals to verify; the row then
     # samples at each of its last num_draft + 1 positions (what the target would emit there).
     num_draft: int = 0
+    # Async speculation: the input token comes from the step in flight (``input_from``), whose
+    # accepted count A is not known yet; the row is planned as if A = 0. On the device its
+    # positions, slots and length move by A and its drafts are draft_window[A:A + num_draft];
+    # ``update`` of that step resolves the row on the host the same way.
+    draft_window: tuple[int, ...] | None = None
 
     @property
     def num_logits(self) -> int:

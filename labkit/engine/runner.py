@@ -88,6 +88,8 @@ class StepOutput:
     graph_batch: int | None       # the bucket a full (decode or verify) graph replayed at
     graph_tokens: int | None = None  # the token bucket piecewise graphs replayed at, or None
     graph_query_len: int | None = None  # a full verify graph's tokens per row (k + 1), or None
+    inputs: DeviceMetadata | None = None  # the step's device metadata (async speculation
+    # reads its drafts and sample rows to count what the target kept)
 
 
 class ModelRunner(StepAttention):
@@ -246,24 +248,36 @@ class ModelRunner(StepAttention):
         return self.cache.block_size
 
     # ------------------------------------------------------------------ metadata
-    def to_device(self, md: StepMetadata, prev_tokens: torch.Tensor | None = None
-                  ) -> DeviceMetadata:
+    def to_device(self, md: StepMetadata, prev_tokens: torch.Tensor | None = None,
+                  prev_accepted: torch.Tensor | None = None) -> DeviceMetadata:
         """One int32 buffer, one host-to-device copy, through this runner's pinned buffers
         (``device_metadata.metadata_to_device``); input tokens still PENDING on the host are
-        taken from ``prev_tokens``, the previous step's samples on the device."""
-        return metadata_to_device(md, self.staging, prev_tokens)
+        taken from ``prev_tokens``, the previous step's samples on the device, and rows planned
+        ahead of its accepted counts move by ``prev_accepted``."""
+        return metadata_to_device(md, self.staging, prev_tokens, prev_accepted, self.block_size)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, bm: BlockManager,
-                prev_tokens: torch.Tensor | None = None) -> StepOutput:
+                prev_tokens: torch.Tensor | None = None,
+                prev_accepted: torch.Tensor | None = None) -> StepOutput:
         """Runs ``step`` (call it after ``schedule()``, before ``update()``); ``prev_tokens``:
-        the step in flight's sampled tokens on the device, for rows whose input is PENDING."""
+        the step in flight's next token per row that samples, on the device, for rows whose
+        input is PENDING; ``prev_accepted``: its drafts kept per such row, for rows planned
+        ahead of them (async speculation)."""
         self.cache.copy_blocks(list(step.block_copies))
         if not step.rows:
             vocab = self.model.config.vocab_size
             return StepOutput(torch.empty(0, vocab, device=self.device), None)
         md = build_step_metadata(step, bm)
+        dev = self.to_device(md, prev_tokens, prev_accepted)
+        return replace(self._run(step, md, dev), inputs=dev)
+
+    def _run(self, step: ScheduledStep, md: StepMetadata, dev: DeviceMetadata) -> StepOutput:
+        """``execute``'s forward: a full decode or verify graph, piecewise graphs, or eager.
+        Lengths that wait on the step in flight are known on the device only: then no
+        attention is given the host's."""
+        host = md if md.lengths_known else None
         graph_batch, context = None, None
         if self.graphs is not None and step.is_decode_only:
             if self.decode_context_buckets is not None:
@@ -271,7 +285,6 @@ class ModelRunner(StepAttention):
             key = self.graphs.key_for(len(step.rows), context)
             graph_batch = key[0] if key is not None else None
         verify = None if self.verify_graphs is None else self.verify_graphs.key_for(step)
-        dev = self.to_device(md, prev_tokens)
         if verify is not None:
             return StepOutput(self.verify_graphs(dev), verify[0], graph_query_len=verify[1])
         tokens = md.num_tokens
@@ -280,12 +293,12 @@ class ModelRunner(StepAttention):
             if self.pieces is None:  # the compiled pieces' graphs; they store the K/V
                 self.piecewise.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
                 hidden = self.piecewise.run(tokens, self._attention(dev, md.max_seqlen_q,
-                                                                    store=False, host=md))
+                                                                    store=False, host=host))
                 return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]),
                                   None, bucket)
             self.pieces.load(dev.input_ids, dev.positions, dev.slot_mapping, bucket)
             attention = self._attention(dev, md.max_seqlen_q, store=self.pieces.cache is None,
-                                        host=md)
+                                        host=host)
             views = self.pieces.attention_views(tokens)
             self.piecewise.run(tokens, lambda layer: self.pieces.attend(layer, tokens, attention,
                                                                         views))
@@ -301,7 +314,7 @@ class ModelRunner(StepAttention):
             logits = self.graphs(*decode_inputs(replace(dev, block_tables=tables)),
                                  context=context)
             return StepOutput(logits, graph_batch)
-        hidden = self._hidden_states(dev, md.max_seqlen_q, host=md)
+        hidden = self._hidden_states(dev, md.max_seqlen_q, host=host)
         return StepOutput(self.model.compute_logits(hidden[dev.logits_indices.long()]), None)
 
     # ------------------------------------------------------------------ CUDA Graphs

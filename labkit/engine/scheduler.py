@@ -34,6 +34,15 @@ sampled token, and the target checks them all in that one row (a (k + 1)-token q
 within it). The block manager gives the drafts slots without sealing them (``append_draft``);
 ``update`` keeps the ones the target agrees with and rolls the rest back (``accept_draft``).
 Drafts never preempt anyone: without room, or budget, a row verifies fewer or none.
+
+Async speculation (both, with the controlled draft): step N+1 is planned while step N's
+accepted count A is unknown. A request whose row in step N samples gets its step N+1 row as if
+A = 0 (``_schedule_ahead``): blocks held for the longest outcome (``BlockManager.reserve``) and
+a window of drafts for every outcome (``ScheduledSeq.draft_window``), which the controlled draft
+can propose because its tokens depend on the position alone. The device counts A and moves the
+row (``device_metadata.move_rows_ahead``); ``update(N)`` resolves it on the host to the row the
+plain loop would have scheduled, appends its tokens into the held blocks and gives back the
+rest. A request that the longest outcome would finish waits one step instead.
 """
 from __future__ import annotations
 
@@ -65,6 +74,7 @@ class _Plan:
     """The step being filled: what is left of its token budget and what it holds so far."""
     budget: int
     sample_row: dict  # request id -> its row among the samples of the step in flight
+    sampling: dict = field(default_factory=dict)  # request id -> that row (ScheduledSeq)
     rows: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -85,6 +95,8 @@ class Scheduler(StepResults):
         self._next_step = 0
         spec = config.speculative
         self._proposer = None if spec is None else make_proposer(spec)
+        # plan a verify row before the step in flight says how many drafts it kept
+        self._async_speculation = spec is not None and config.async_scheduling
         self.spec_stats = SpecDecodeStats()  # drafts proposed and accepted, over every step
 
     # ------------------------------------------------------------------ requests
@@ -166,11 +178,12 @@ class Scheduler(StepResults):
                 f"update(step, sampled_token_ids) first ({limit - 1} step(s) may be in flight "
                 f"{'with' if limit == 2 else 'without'} async_scheduling)")
         # Where each token sampled by the step in flight sits in that step's samples.
-        sample_row = {}
+        sample_row, sampling = {}, []
         if self._in_flight:
             sampling = [r for r in self._in_flight[-1].rows if r.needs_logits]
             sample_row = {r.request_id: i for i, r in enumerate(sampling)}
-        plan = _Plan(self.config.max_num_batched_tokens, sample_row)
+        plan = _Plan(self.config.max_num_batched_tokens, sample_row,
+                     {r.request_id: r for r in sampling})
         self._schedule_decodes(plan)
         self._schedule_prefill_chunks(plan)
         self._admit_waiting(plan)
@@ -195,6 +208,9 @@ class Scheduler(StepResults):
                 continue
             start = req.num_computed_tokens
             token = req.token_ids(start, start + 1)[0]
+            if token == PENDING and self._async_speculation:
+                self._schedule_ahead(plan, req)
+                continue
             plan.copies += self.bm.append_token(req.request_id, None if token == PENDING else token)
             drafts = [] if token == PENDING or not req.speculate else propose_drafts(
                 self._proposer, self.bm, req, plan.budget - 1, self.config.max_model_len,
@@ -202,6 +218,40 @@ class Scheduler(StepResults):
             if drafts:
                 plan.copies += self.bm.append_draft(req.request_id, drafts)
             self._add_row(plan, req, start, 1, is_prefill=False, drafts=drafts)
+
+    def _schedule_ahead(self, plan: "_Plan", req: Request) -> None:
+        """1b. Async speculation: a decode row for ``req`` while the step in flight still
+        decides how many of its drafts are kept (A, from 0 to that row's k_prev drafts). The row
+        is planned as if A = 0 (``ScheduledSeq.draft_window``); blocks are held for the longest
+        outcome, A = k_prev (``BlockManager.reserve``); ``update`` resolves it. Its own drafts
+        are as many as the longest outcome leaves room for; a request that the longest outcome
+        would finish waits for the next step instead (its row could land past its end)."""
+        k_prev = plan.sampling[req.request_id].num_draft
+        longest = len(req.output_token_ids) + k_prev  # outputs after that step, at most
+        if longest >= req.max_tokens or \
+                len(req.prompt_token_ids) + longest >= self.config.max_model_len:
+            return
+        rid, cfg = req.request_id, self.config
+        self._preempt_until(plan, req, lambda: self.bm.can_reserve(
+            rid, req.num_tokens + k_prev), requester_too=True)
+        if req.status is not Status.RUNNING:
+            return
+        room = min(plan.budget - 1, req.max_tokens - longest - 1,
+                   cfg.max_model_len - len(req.prompt_token_ids) - longest - 1)
+        window = []
+        if req.speculate and req.reference is not None and room > 0:
+            # drafts for every outcome: output slots past the pending token, k_prev + k of them
+            window = self._proposer.propose(
+                req.reference, len(req.output_token_ids), cfg.vocab_size, rid,
+                count=k_prev + min(room, self._proposer.k))
+        k = max(0, len(window) - k_prev)
+        if k and not self.bm.can_reserve(rid, req.num_tokens + k_prev + k):
+            k = 0  # drafts never preempt anyone
+        if k == 0:  # no drafts to pick; the window's length still says how far the row moves
+            window = [0] * k_prev
+        self.bm.reserve(rid, req.num_tokens + k_prev + k)
+        self._add_row(plan, req, req.num_computed_tokens, 1, is_prefill=False,
+                      drafts=window[:k], window=tuple(window))
 
 
     def _schedule_prefill_chunks(self, plan: "_Plan") -> None:
@@ -251,7 +301,7 @@ class Scheduler(StepResults):
             self._add_row(plan, req, hit, end - hit, is_prefill=True)
 
     def _add_row(self, plan: "_Plan", req: Request, start: int, n: int, is_prefill: bool,
-                 drafts: Sequence[int] = ()) -> None:
+                 drafts: Sequence[int] = (), window: tuple[int, ...] | None = None) -> None:
         """Tokens [start, start + n) of ``req`` into the step, then its ``drafts``; the last one
         of a request's known tokens samples, so it gets a PENDING output token. Drafts' KV is
         written too, but counts as computed only once ``update`` accepts it."""
@@ -259,7 +309,7 @@ class Scheduler(StepResults):
         source = plan.sample_row[req.request_id] if tokens[-1] == PENDING else None
         needs_logits = start + n == req.num_tokens
         plan.rows.append(ScheduledSeq(req, start, n + len(drafts), tokens + tuple(drafts),
-                                      is_prefill, needs_logits, source, len(drafts)))
+                                      is_prefill, needs_logits, source, len(drafts), window))
         plan.scheduled.add(req.request_id)
         plan.budget -= n + len(drafts)
         req.num_computed_tokens = start + n

@@ -39,7 +39,9 @@ class SpeculativeConfig:
     each one's greedy continuation in an untimed reference run; what it measures is the upper
     bound for a draft of that acceptance rate, on random weights) and ``"draft"`` (every
     request: ``draft_model``, a smaller model over the same vocabulary, proposes its own greedy
-    tokens), with async scheduling off."""
+    tokens). With async scheduling only ``"controlled"`` runs: the next step is planned
+    before this one's accepted count is read, and only its drafts can be proposed for every
+    outcome (``labkit.engine.scheduler``)."""
     method: str = "ngram"           # "ngram", "controlled" or "draft" (a smaller model)
     num_speculative_tokens: int = 4  # k: draft tokens per verify step
     min_n: int = 1                  # ngram: shortest suffix n-gram looked up
@@ -153,16 +155,22 @@ class ControlledProposer:
         self.acceptance, self.k, self.seed = acceptance, k, seed
 
     def propose(self, reference: Sequence[int], start: int, vocab_size: int,
-                request_key: Hashable = 0) -> list[int]:
-        """Up to k tokens for positions ``start, start + 1, ...`` of ``reference``."""
+                request_key: Hashable = 0, count: int | None = None) -> list[int]:
+        """Up to k tokens (or ``count``) for positions ``start, start + 1, ...`` of
+        ``reference``. A position's token never depends on ``start`` or ``count``: async
+        speculation proposes a window past the outcome still on the device and picks from it."""
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start:
             raise ValueError(f"start must be an int >= 0 (tokens emitted so far), got {start!r}")
         check_positive_int("vocab_size", vocab_size)
+        if count is None:
+            count = self.k
+        elif isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0 (tokens to propose), got {count!r}")
         if vocab_size < 2 and self.acceptance < 1:
             raise ValueError("vocab_size must be >= 2 for a wrong token to exist; "
                              f"got {vocab_size} with acceptance {self.acceptance}")
         out = []
-        for pos in range(start, min(start + self.k, len(reference))):
+        for pos in range(start, min(start + count, len(reference))):
             right = int(reference[pos])
             if _uniform(self.seed, request_key, pos) < self.acceptance:
                 out.append(right)
@@ -335,11 +343,38 @@ def verify_row(bm, row, targets: Sequence[int], stats: SpecDecodeStats) -> list[
     KV, written by this row, counts as computed."""
     drafts = row.token_ids[-row.num_draft:]
     accepted, bonus = accept_greedy(drafts, targets)
-    bm.accept_draft(row.request_id, accepted)
     stats.record(row.num_draft, accepted)
     row.request.spec_stats.record(row.num_draft, accepted)
-    row.request.num_computed_tokens += accepted
+    if row.request_id in bm:  # else preempted while in flight (async): no KV is kept
+        bm.accept_draft(row.request_id, accepted)
+        row.request.num_computed_tokens += accepted
     return [*drafts[:accepted], bonus]
+
+
+def accepted_on_device(samples: torch.Tensor, input_ids: torch.Tensor,
+                       logits_indices: torch.Tensor, sample_rows: torch.Tensor,
+                       num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification on the device, without reading anything back: per row that samples,
+    how many drafts the target agreed with and the token that follows them (the target's own).
+
+    ``samples: [num_sampled]`` the step's choices (a verify row's argmax at each position),
+    ``input_ids`` the step's input tokens, ``logits_indices`` which input token each sample
+    follows, ``sample_rows`` which sampling row (0..num_rows-1) each belongs to, in order. A
+    sample whose successor belongs to its row is followed by a draft in the input; drafts are
+    accepted while they equal the samples before them. Rows without drafts accept 0 and pass
+    their one sample on. Returns ``(accepted, next_tokens)``, both ``[num_rows]`` int64: what
+    async speculation's next step reads (``Scheduler`` docstring)."""
+    m = samples.numel()
+    i = torch.arange(m, device=samples.device)
+    rows = sample_rows.long()
+    follows = input_ids[(logits_indices.long() + 1).clamp(max=input_ids.numel() - 1)]
+    same_row = torch.zeros(m, dtype=torch.bool, device=samples.device)
+    same_row[:-1] = rows[1:] == rows[:-1]
+    stop = torch.where(same_row & (follows.long() == samples.long()), m, i)  # first mismatch
+    first_stop = torch.full((num_rows,), m, device=samples.device).scatter_reduce(
+        0, rows, stop, "amin")
+    first = torch.full((num_rows,), m, device=samples.device).scatter_reduce(0, rows, i, "amin")
+    return first_stop - first, samples[first_stop].long()
 
 
 _ARGMAX = SamplingParams(max_tokens=1)  # sample() takes the argmax and draws nothing

@@ -7,6 +7,10 @@ the device never waits for Python between steps. Each step's samples go to the h
 non-blocking copy into one of two pinned buffers (step N's and step N+1's), and a token's time
 is taken when the host has read it.
 
+With async speculation (the controlled draft), each step's accepted counts and next tokens are
+counted on the device right after sampling (``speculative.accepted_on_device``) and the next
+step, already planned, reads them there (``labkit.engine.scheduler`` explains the plan).
+
 With speculative decoding under full CUDA Graphs, the verify graphs (one per request bucket,
 for k + 1 tokens a row: ``labkit.engine.verify_graphs``) are captured before the first step,
 since the runner is built before the scheduler that knows k; each step's record says which kind
@@ -27,7 +31,7 @@ import torch
 from labkit.engine.outputs import GRAPH_KINDS, RequestOutput, StepRecord
 from labkit.engine.request import Request, ScheduledStep
 from labkit.engine.sampling import SamplingParams
-from labkit.engine.speculative import sample_with_drafts
+from labkit.engine.speculative import accepted_on_device, sample_with_drafts
 from labkit.overlap import InFlightCopy, start_copy_to_host
 
 
@@ -53,6 +57,10 @@ class LaunchedStep:
     graph_tokens: int | None = None
     graph_query_len: int | None = None
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # device_step_times
+    # async speculation: per row that samples, the drafts kept and the token after them,
+    # counted on the device (``speculative.accepted_on_device``) for the next step to read
+    accepted: torch.Tensor | None = None
+    next_tokens: torch.Tensor | None = None
 
 
 class StepLoop:
@@ -95,13 +103,24 @@ class StepLoop:
         if self.device_step_times:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
+        ahead = self.async_scheduling and self.scheduler.config.speculative is not None
         try:
-            out = self.runner.execute(step, self.block_manager,
-                                      None if prev is None else prev.tokens)
+            if prev is None:
+                out = self.runner.execute(step, self.block_manager)
+            elif ahead:
+                out = self.runner.execute(step, self.block_manager, prev.next_tokens,
+                                          prev.accepted)
+            else:
+                out = self.runner.execute(step, self.block_manager, prev.tokens)
             # a verify row has a row of logits per position it checks: argmaxes for a greedy
             # request, the rejection rule's outcome for a sampled one
             tokens = sample_with_drafts(out.logits, step.rows, [e.params for e in every],
                                         [e.generator for e in every])
+            accepted = next_tokens = None
+            if ahead:  # what the next step, planned before these are read, moves by
+                accepted, next_tokens = accepted_on_device(
+                    tokens, out.inputs.input_ids, out.inputs.logits_indices,
+                    out.inputs.sample_rows, len(rows))
             if events is not None:
                 events[1].record()
         except BaseException:
@@ -112,7 +131,7 @@ class StepLoop:
             buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
             host = start_copy_to_host(tokens, buf[:tokens.numel()])
         return LaunchedStep(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens,
-                            out.graph_query_len, events)
+                            out.graph_query_len, events, accepted, next_tokens)
 
     def _complete(self, done: LaunchedStep) -> list[RequestOutput]:
         sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()

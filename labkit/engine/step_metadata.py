@@ -33,6 +33,26 @@ class StepMetadata:
     # from the previous step's device samples, row pending_src[i].
     pending_dst: list[int] = ()
     pending_src: list[int] = ()
+    # Async speculation: rows planned before the step in flight's accepted counts are known
+    # (``ScheduledSeq.draft_window``). For each of their tokens: where it is, which sample row
+    # of that step shifts it, its offset in the row, its row, and (offset >= 1) its draft's
+    # index in ``window`` for A = 0; for each such row: its index and that sample row. The
+    # host values of these tokens and rows are for A = 0; ``metadata_to_device`` moves them.
+    shift_dst: list[int] = ()
+    shift_src: list[int] = ()
+    shift_off: list[int] = ()
+    shift_row: list[int] = ()
+    shift_win: list[int] = ()
+    window: list[int] = ()
+    shift_rows: list[int] = ()
+    shift_rows_src: list[int] = ()
+    sample_rows: list[int] = ()     # [num_sampled] which row that samples each sample is from
+
+    @property
+    def lengths_known(self) -> bool:
+        """False when a row's length waits on the step in flight (async speculation): the
+        host lengths are then lower bounds, and only the device's are exact."""
+        return not self.shift_rows
 
     @property
     def num_tokens(self) -> int:
@@ -47,23 +67,46 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
     input_ids, positions, slot_mapping = [], [], []
     cu_seqlens_q, seq_lens, tables, logits_indices = [0], [], [], []
     pending_dst, pending_src = [], []
-    for row in step.rows:
+    shift = {"dst": [], "src": [], "off": [], "row": [], "win": [], "rows": [], "rows_src": []}
+    window, sample_rows, longest = [], [], 0
+    for i, row in enumerate(step.rows):
         rid, end = row.request_id, row.start + row.num_tokens
-        if bm.num_tokens(rid) != end:
-            raise ValueError(f"request {rid!r} holds slots for {bm.num_tokens(rid)} tokens, the "
-                             f"step computes up to position {end}: build metadata right after "
-                             "schedule(), before update()")
-        if row.input_from is not None:  # the last token is still on the device
-            pending_dst.append(len(input_ids) + row.num_tokens - 1)
-            pending_src.append(row.input_from)
+        base = len(input_ids)
+        if row.draft_window is not None:  # planned ahead: as if A = 0 here, moved on the device
+            reach = end + len(row.draft_window) - row.num_draft  # its end if every draft is kept
+            if len(bm.block_table(rid)) * bm.block_size < reach:
+                raise ValueError(f"request {rid!r} holds blocks for "
+                                 f"{len(bm.block_table(rid)) * bm.block_size} tokens, its row "
+                                 f"may reach {reach}: reserve them when it is scheduled")
+            shift["dst"] += range(base, base + row.num_tokens)
+            shift["src"] += [row.input_from] * row.num_tokens
+            shift["off"] += range(row.num_tokens)
+            shift["row"] += [i] * row.num_tokens
+            shift["win"] += [0, *range(len(window), len(window) + row.num_draft)]
+            shift["rows"].append(i)
+            shift["rows_src"].append(row.input_from)
+            window += row.draft_window
+            slot_mapping += [0] * row.num_tokens  # the device computes them
+            longest = max(longest, reach)
+        else:
+            if bm.num_tokens(rid) != end:
+                raise ValueError(f"request {rid!r} holds slots for {bm.num_tokens(rid)} tokens, "
+                                 f"the step computes up to position {end}: build metadata right "
+                                 "after schedule(), before update()")
+            if row.input_from is not None:  # the last token is still on the device
+                pending_dst.append(base + row.num_tokens - 1)
+                pending_src.append(row.input_from)
+            slot_mapping += bm.slots(rid, row.start, end)
+            longest = max(longest, end)
         input_ids += row.token_ids
         positions += row.positions
-        slot_mapping += bm.slots(rid, row.start, end)
         cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_tokens)
         seq_lens.append(end)
         tables.append(bm.block_table(rid))
         last = cu_seqlens_q[-1] - 1
         logits_indices += range(last - row.num_logits + 1, last + 1)
+        if row.num_logits:
+            sample_rows += [sample_rows[-1] + 1 if sample_rows else 0] * row.num_logits
     width = max((len(t) for t in tables), default=0)
     if max_blocks_per_seq is not None:
         if width > max_blocks_per_seq:
@@ -76,6 +119,12 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
     for i, t in enumerate(tables):
         padded[i, :len(t)] = t
     tables = padded
+    if shift["rows"]:
+        window.append(0)  # what offset-0 tokens index (they take the sampled token instead)
+        shift["win"] = [len(window) - 1 if off == 0 else w
+                        for off, w in zip(shift["off"], shift["win"])]
     return StepMetadata(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables,
                         logits_indices, max((r.num_tokens for r in step.rows), default=0),
-                        max(seq_lens, default=0), pending_dst, pending_src)
+                        longest, pending_dst, pending_src, shift["dst"], shift["src"],
+                        shift["off"], shift["row"], shift["win"], window, shift["rows"],
+                        shift["rows_src"], sample_rows)

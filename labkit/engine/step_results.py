@@ -18,10 +18,11 @@ queues, requests and block manager.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from operator import index
 from typing import Hashable, Sequence
 
-from labkit.engine.request import PENDING, Request, ScheduledStep, Status
+from labkit.engine.request import PENDING, Request, ScheduledSeq, ScheduledStep, Status
 from labkit.engine.speculative import verify_row
 
 
@@ -35,10 +36,11 @@ class StepResults:
         that finished."""
         if not step.rows:
             return []
-        if not self._in_flight or step is not self._in_flight[0]:
+        if not self._in_flight or step.step_id != self._in_flight[0].step_id:
             expected = self._in_flight[0].step_id if self._in_flight else None
             raise RuntimeError(f"update() got step {step.step_id}, but the oldest step in "
                                f"flight is {expected}: update steps in the order scheduled")
+        step = self._in_flight[0]  # the scheduler's record: resolved if it was planned ahead
         if hasattr(sampled_token_ids, "tolist"):  # a tensor: one transfer, not one per token
             sampled_token_ids = sampled_token_ids.tolist()
         sampled = [index(t) for t in sampled_token_ids]
@@ -46,6 +48,11 @@ class StepResults:
             raise ValueError(f"step {step.step_id} samples {step.num_sampled} token(s), one per "
                              f"row with needs_logits; got {len(sampled)}")
         self._in_flight.popleft()
+        ahead = {}  # async speculation: rows of the next step planned before these tokens
+        if self._in_flight:
+            ahead = {r.request_id: i for i, r in enumerate(self._in_flight[0].rows)
+                     if r.draft_window is not None}
+        resolved = {}
         finished = []
         tokens = iter(sampled)
         for row in (r for r in step.rows if r.needs_logits):
@@ -67,7 +74,29 @@ class StepResults:
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
+            elif rid in ahead and rid in self.bm:
+                resolved[ahead[rid]] = self._resolve_ahead(
+                    self._in_flight[0].rows[ahead[rid]], emitted)
+        if resolved:
+            nxt = self._in_flight[0]
+            self._in_flight[0] = replace(nxt, rows=tuple(
+                resolved.get(i, r) for i, r in enumerate(nxt.rows)))
         return finished
+
+    def _resolve_ahead(self, row: ScheduledSeq, emitted: list[int]) -> ScheduledSeq:
+        """The row the next step really ran for a request planned ahead of ``emitted`` (async
+        speculation): A = len(emitted) - 1 drafts were kept, so the row starts A later, on the
+        last emitted token, with drafts ``draft_window[A:A + num_draft]``; the block manager gets
+        its tokens now, in the blocks held for it, and gives back the ones it did not need.
+        The row returned is the one the plain loop would have scheduled."""
+        rid, accepted = row.request_id, len(emitted) - 1
+        drafts = row.draft_window[accepted:accepted + row.num_draft]
+        self.bm.append_token(rid, emitted[-1])
+        if drafts:
+            self.bm.append_draft(rid, drafts)
+        self.bm.release_reserve(rid)
+        return replace(row, start=row.start + accepted, token_ids=(emitted[-1], *drafts),
+                       input_from=None, draft_window=None)
 
     def _stop(self, req: Request, first: int, count: int) -> Status | None:
         """Whether one of the ``count`` tokens just placed at output slot ``first`` ends
@@ -97,10 +126,10 @@ class StepResults:
         go back to the waiting queue as if preempted, the tokens it was to sample are dropped,
         and blocks only they held leave the prefix cache (they hold no KV). Steps after it must
         be aborted first; steps before it can still be updated."""
-        if not self._in_flight or step is not self._in_flight[-1]:
+        if not self._in_flight or step.step_id != self._in_flight[-1].step_id:
             raise RuntimeError(f"abort_step({step.step_id}): only the newest step in flight can "
                                "be aborted")
-        self._in_flight.pop()
+        step = self._in_flight.pop()
         for row in step.rows:
             req = row.request
             if row.needs_logits:

@@ -36,7 +36,7 @@ from labkit.kvcache.refusals import OutOfBlocks, check_token_id, token_bytes
 
 class _Sequence:
     __slots__ = ("block_table", "num_tokens", "tail", "last_hash", "extra", "pending",
-                 "num_draft")
+                 "num_draft", "capacity")
 
     def __init__(self, block_table, num_tokens, tail, last_hash, extra):
         self.block_table: list[int] = block_table
@@ -46,6 +46,7 @@ class _Sequence:
         self.extra: bytes = extra
         self.pending: bool = False           # the last token's id is not known yet
         self.num_draft: int = 0              # trailing tokens awaiting verification
+        self.capacity: int = 0               # tokens whose blocks are held ahead (``reserve``)
 
 
 class BlockManager(DraftTokens):
@@ -144,7 +145,7 @@ class BlockManager(DraftTokens):
     def snapshot(self) -> tuple:
         """Everything the manager holds, comparable with ``==`` (tests check nothing changed)."""
         seqs = tuple((k, tuple(s.block_table), s.num_tokens, tuple(s.tail), s.last_hash, s.extra,
-                      s.pending, s.num_draft) for k, s in self._seqs.items())
+                      s.pending, s.num_draft, s.capacity) for k, s in self._seqs.items())
         return (tuple(self._ref), tuple(self._gen), tuple(self._free), seqs,
                 self._prefix.snapshot(), self.stats)
 
@@ -206,16 +207,17 @@ class BlockManager(DraftTokens):
             token_id = check_token_id(token_id, "token_id")  # fails here, before anything changes
         pos = seq.num_tokens & self._mask
         copies = []
+        table, i = seq.block_table, seq.num_tokens // self.block_size
         try:
             if pos == 0:
-                seq.block_table.append(self._take())
+                if i == len(table):  # else a block held ahead (``reserve``) takes it
+                    table.append(self._take())
             else:
-                table = seq.block_table
-                last = table[-1]
+                last = table[i]
                 if self._ref[last] > 1:  # shared partial block (after fork): copy, then write
                     new = self._take()
                     self._ref[last] -= 1
-                    table[-1] = new
+                    table[i] = new
                     copies.append((last, new))
         except OutOfBlocks:
             raise OutOfBlocks(f"append_token({seq_id!r})", 1, 0, self.num_blocks) from None
@@ -225,7 +227,7 @@ class BlockManager(DraftTokens):
         if self.enable_prefix_caching:
             seq.tail.append(token_id)
             if pos == self._mask and token_id is not None:
-                self._seal(seq, len(seq.block_table) - 1)
+                self._seal(seq, i)
         return copies
 
     def set_token(self, seq_id, token_id: int) -> None:
@@ -238,7 +240,7 @@ class BlockManager(DraftTokens):
         if self.enable_prefix_caching:
             seq.tail[-1] = token_id
             if seq.num_tokens & self._mask == 0:  # the pending token filled its block
-                self._seal(seq, len(seq.block_table) - 1)
+                self._seal(seq, seq.num_tokens // self.block_size - 1)
         seq.pending = False
 
     def has_pending(self, seq_id) -> bool:
@@ -250,6 +252,9 @@ class BlockManager(DraftTokens):
         if parent.pending:
             raise ValueError(f"fork: {parent_id!r} has a pending token; set_token first")
         self._check_no_draft(parent_id, parent, "fork")
+        if parent.capacity:
+            raise ValueError(f"fork: {parent_id!r} holds blocks ahead (reserve); resolve its "
+                             "step and call release_reserve first")
         if child_id in self._seqs:
             raise ValueError(f"fork: child {child_id!r} already exists; pick a new seq_id")
         ref = self._ref
@@ -350,6 +355,7 @@ class BlockManager(DraftTokens):
         return self.num_free_blocks - revived
 
     def _blocks_to_append(self, seq: _Sequence) -> int:
+        i = seq.num_tokens // self.block_size
         if seq.num_tokens & self._mask == 0:
-            return 1
-        return 1 if self._ref[seq.block_table[-1]] > 1 else 0
+            return 1 if i == len(seq.block_table) else 0
+        return 1 if self._ref[seq.block_table[i]] > 1 else 0

@@ -5,6 +5,12 @@ Speculative decoding writes KV for draft tokens that the target model may reject
 only ``accept_draft`` commits the accepted ones (sealing the blocks they fill) and rolls the
 rest back, releasing blocks past the new end. So the prefix cache never finds a rejected token.
 
+With async scheduling the next step is planned before this one's accepted count is known, so
+its row's positions are not known either: ``reserve`` holds blocks for the longest outcome
+(every draft accepted) without adding tokens, ``accept_draft`` keeps them, the tokens placed
+once the count is known take them, and ``release_reserve`` gives back what the outcome left
+unused. The next step's KV goes into blocks that were in its block table when it was launched.
+
 :class:`DraftTokens` holds these operations; ``BlockManager`` inherits them, so they read and
 change its own block tables, ref counts and prefix cache (a ``seq`` argument is its record of
 one sequence). Like every operation of the manager, each checks before it changes anything.
@@ -46,11 +52,12 @@ class DraftTokens:
             raise OutOfBlocks(f"append_draft({seq_id!r}, {len(drafts)} tokens)", need,
                               self.num_free_blocks, self.num_blocks)
         copies, table = [], seq.block_table
-        if drafts and seq.num_tokens & self._mask and self._ref[table[-1]] > 1:
+        i = seq.num_tokens // self.block_size
+        if drafts and seq.num_tokens & self._mask and self._ref[table[i]] > 1:
             new = self._take()  # shared partial block (after fork): copy before writing
-            self._ref[table[-1]] -= 1
-            copies.append((table[-1], new))
-            table[-1] = new
+            self._ref[table[i]] -= 1
+            copies.append((table[i], new))
+            table[i] = new
         table.extend(self._take() for _ in range(need - len(copies)))
         seq.num_tokens += len(drafts)
         seq.num_draft = len(drafts)
@@ -71,7 +78,7 @@ class DraftTokens:
         seq.num_tokens = committed + num_accepted
         rejected = seq.num_draft - num_accepted
         seq.num_draft = 0
-        keep = -(-seq.num_tokens // self.block_size)
+        keep = -(-max(seq.num_tokens, seq.capacity) // self.block_size)  # reserved ones stay
         self._release(seq.block_table[keep:], uncache=False)
         del seq.block_table[keep:]
         if self.enable_prefix_caching:
@@ -80,6 +87,40 @@ class DraftTokens:
             while len(seq.tail) >= self.block_size:
                 self._seal(seq, i)
                 i += 1
+
+    def can_reserve(self, seq_id, capacity: int) -> bool:
+        return self._blocks_to_reserve(self._get(seq_id), capacity) <= self.num_free_blocks
+
+    def reserve(self, seq_id, capacity: int) -> None:
+        """Hold blocks for ``capacity`` tokens of the sequence, tokens it does not have yet
+        (async speculation: the next step's row lands where the accepted count puts it, up to
+        that many tokens). Appends take these blocks in order; ``accept_draft`` keeps them;
+        ``release_reserve`` gives back those still empty. A shared partial last block (after
+        ``fork``) is refused: it would need a copy first."""
+        seq = self._get(seq_id)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or \
+                capacity < seq.num_tokens:
+            raise ValueError(f"reserve({seq_id!r}): capacity must be an int >= its "
+                             f"{seq.num_tokens} tokens, got {capacity!r}")
+        if seq.num_tokens & self._mask and \
+                self._ref[seq.block_table[seq.num_tokens // self.block_size]] > 1:
+            raise ValueError(f"reserve({seq_id!r}): its partial last block is shared (fork); "
+                             "append to it first")
+        need = self._blocks_to_reserve(seq, capacity)
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(f"reserve({seq_id!r}, {capacity} tokens)", need,
+                              self.num_free_blocks, self.num_blocks)
+        seq.block_table.extend(self._take() for _ in range(need))
+        seq.capacity = max(seq.capacity, capacity)
+
+    def release_reserve(self, seq_id) -> None:
+        """Stop holding blocks ahead: those past the sequence's tokens go back (they hold no
+        KV the cache could find)."""
+        seq = self._get(seq_id)
+        seq.capacity = 0
+        keep = -(-seq.num_tokens // self.block_size)
+        self._release(seq.block_table[keep:], uncache=False)
+        del seq.block_table[keep:]
 
     # ------------------------------------------------------------------ internals
     def _check_no_draft(self, seq_id, seq, op: str) -> None:
@@ -90,5 +131,9 @@ class DraftTokens:
     def _blocks_to_append_draft(self, seq, k: int) -> int:
         if k == 0:
             return 0
-        cow = 1 if seq.num_tokens & self._mask and self._ref[seq.block_table[-1]] > 1 else 0
-        return -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table) + cow
+        i = seq.num_tokens // self.block_size
+        cow = 1 if seq.num_tokens & self._mask and self._ref[seq.block_table[i]] > 1 else 0
+        return max(0, -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table)) + cow
+
+    def _blocks_to_reserve(self, seq, capacity: int) -> int:
+        return max(0, -(-capacity // self.block_size) - len(seq.block_table))
