@@ -67,6 +67,11 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
         (speed.versus_async <= speed.versus_async_high).all()
     row = speed.iloc[0]  # the ratios and the per-token times come from the same runs
     assert row.spec_ms_per_token < row.plain_ms_per_token and row.async_ms_per_token > 0
+    # the largest k also runs speculating with async scheduling: its tokens are plain decoding's
+    assert row.async_speedup_low <= row.async_speedup <= row.async_speedup_high
+    assert row.async_same_tokens and row.async_spec_ms_per_token > 0
+    assert row.async_ms_per_token / row.async_spec_ms_per_token == \
+        pytest.approx(row.async_speedup, rel=0.5)
     assert row.plain_ms_per_token / row.spec_ms_per_token == pytest.approx(row.speedup, rel=0.5)
     assert "versus_async" not in sp.speedups(model, accepts=(1.0,), ks=(2,), max_tokens=8,
                                             rounds=1, device="cpu"), "off by default on a CPU"
@@ -142,6 +147,19 @@ def test_claims_fail_on_figures_that_contradict_them():
         made[2].text, "the ratio's parts, each named"
     faster = fast.assign(versus_async=[2.05])
     assert [c.held for c in sp.speedup_claims(faster, 0.15, "here")][2] is False
+    # async speculation against async plain: it must win back what the synchronous loop paid
+    both = fast.assign(async_speedup=[1.8], async_speedup_low=[1.7], async_speedup_high=[1.9],
+                       async_spec_ms_per_token=[0.42], async_same_tokens=[True])
+    made = sp.speedup_claims(both, 0.15, "here")
+    assert [c.held for c in made] == [True, False, True, True, True]
+    assert "1.70-1.90x plain decoding here (median 1.80x)" in made[3].text
+    assert "0.42 ms async speculating, 0.75 ms async plain" in made[3].text
+    assert not sp.async_claim(both.assign(async_speedup=[1.4]), "here").held, \
+        "slower than the synchronous loop against the same plain loop"
+    assert not sp.async_claim(both.assign(async_same_tokens=[False]), "here").held
+    assert sp.async_claim(both.assign(async_same_tokens=[False]), "here", exact=False).held
+    two_k = pd.concat([both, both.assign(k=[2], async_speedup=[float("nan")])])
+    assert len(sp.speedup_claims(two_k.reset_index(drop=True), 0.15, "here")) == 5
     # in bf16 outputs may differ at near ties: no equality claim is made, held or not
     bf16 = sp.speedup_claims(speed.assign(same_tokens=[False]), 0.15, "here", exact=False)
     assert [c.held for c in bf16] == [True, False]

@@ -14,9 +14,9 @@ Three questions, each answered from this run:
 
 The measurements are in ``measure``, the sentences made from them in ``claims``.
 """
-from labkit.lessons.speculative_decoding.claims import (cost_claim, draft_claim, formula_claim,
-                                                        gpu_cost_claim, graph_claim, ngram_claim,
-                                                        speedup_claims)
+from labkit.lessons.speculative_decoding.claims import (async_claim, cost_claim, draft_claim,
+                                                        formula_claim, gpu_cost_claim,
+                                                        graph_claim, ngram_claim, speedup_claims)
 from labkit.lessons.speculative_decoding.measure import (MAX_MODEL_LEN, acceptance_check,
                                                          decode_span, draft_acceptance,
                                                          expected_table, full_verifies,
@@ -26,7 +26,7 @@ from labkit.lessons.speculative_decoding.measure import (MAX_MODEL_LEN, acceptan
                                                          tokens_per_step)
 
 __all__ = [
-    "MAX_MODEL_LEN", "acceptance_check", "cost_claim", "decode_span", "draft_acceptance",
+    "MAX_MODEL_LEN", "acceptance_check", "async_claim", "cost_claim", "decode_span", "draft_acceptance",
     "draft_claim", "expected_table", "formula_claim", "full_verifies", "gpu_cost_claim",
     "graph_claim", "lookup_hits", "lookup_models", "ngram_acceptance", "ngram_claim",
     "prompts_for", "repeating_prompts", "speedup_claims", "speedups", "step_costs", "tokens_per_step",

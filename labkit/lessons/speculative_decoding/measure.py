@@ -7,6 +7,7 @@ draft's untimed reference run (``LLM._references``) does not.
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections import Counter
@@ -87,9 +88,9 @@ def _in_turn(runs, r: int) -> list:
 
 
 def _plain(model, batch: int, async_scheduling: bool = False, **options) -> LLM:
-    """A plain engine that runs the loop a speculating one runs: speculation needs each step's
-    accepted tokens before it can schedule the next, so it turns async scheduling off, and the
-    plain engine it is compared with does the same (or a step's time would mean two things)."""
+    """A plain engine that runs the loop a speculating one runs by default: the synchronous
+    one, each step's accepted tokens read before the next is scheduled (or a step's time would
+    mean two things); ``async_scheduling=True`` for the plain engine at its best."""
     return _engine(model, None, max_num_seqs=batch,
                    **{"async_scheduling": async_scheduling, **options})
 
@@ -152,7 +153,9 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     the prediction: the formula's tokens per step over the relative step cost (verify step over
     decode step, from the same two runs). With ``versus_async`` (default: on a GPU) a third run
     beside them, plain decoding with async scheduling, gives ``versus_async``: the speed-up
-    over the plain engine's own best loop, which a speculating labkit engine cannot use."""
+    over the plain engine's own best loop; and for the largest k a fourth, the speculating
+    engine with async scheduling as well (each step planned before the last one's accepted
+    count is read), gives ``async_speedup``: async against async (NaN for the other k)."""
     vocab = model.config.vocab_size
     cells = [(a, k) for a in accepts for k in ks]
     engines = {cell: _engine(model, cell[1], acceptance=cell[0], max_num_seqs=batch, **options)
@@ -161,6 +164,9 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     if versus_async is None:
         versus_async = plain_engine.device.type == "cuda"
     async_engine = _plain(model, batch, async_scheduling=True, **options) if versus_async else None
+    overlapped = {cell: _engine(model, cell[1], acceptance=cell[0], max_num_seqs=batch,
+                                **{"async_scheduling": True, **options})
+                  for cell in cells if versus_async and cell[1] == max(ks)}
     runs = {c: [] for c in cells}
     for r in range(rounds):
         prompts = prompts_for(batch, prompt_len, vocab, seed=100 + r)
@@ -169,6 +175,8 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
                      lambda: decode_span(engines[cell], prompts, max_tokens)]
             if async_engine is not None:
                 turns.append(lambda: decode_span(async_engine, prompts, max_tokens))
+            if cell in overlapped:
+                turns.append(lambda: decode_span(overlapped[cell], prompts, max_tokens))
             runs[cell].append(_in_turn(turns, r))
     rows = []
     for a, k in cells:
@@ -187,10 +195,21 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
                "plain_ms_per_token": _ms_per_token(p for p, _ in pairs),
                "spec_ms_per_token": _ms_per_token(s for _, s in pairs)}
         if async_engine is not None:
-            fast = Spread.of([s["tokens_per_s"] / q["tokens_per_s"] for _, s, q in triples])
+            fast = Spread.of([s["tokens_per_s"] / q["tokens_per_s"] for _, s, q, *_ in triples])
             row |= {"versus_async": fast.median, "versus_async_low": fast.low,
                     "versus_async_high": fast.high,
-                    "async_ms_per_token": _ms_per_token(q for _, _, q in triples)}
+                    "async_ms_per_token": _ms_per_token(run[2] for run in triples)}
+            both = None
+            if (a, k) in overlapped:  # turns: plain, speculating, async plain, async speculating
+                both = Spread.of([run[3]["tokens_per_s"] / run[2]["tokens_per_s"]
+                                  for run in triples])
+            row |= {"async_speedup": both.median if both else math.nan,
+                    "async_speedup_low": both.low if both else math.nan,
+                    "async_speedup_high": both.high if both else math.nan,
+                    "async_spec_ms_per_token": _ms_per_token(run[3] for run in triples)
+                    if both else math.nan,
+                    "async_same_tokens": all(run[3]["tokens"] == run[0]["tokens"]
+                                             for run in triples if both)}
         rows.append(row)
     return pd.DataFrame(rows)
 
