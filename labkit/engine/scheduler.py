@@ -253,7 +253,6 @@ class Scheduler(StepResults):
         self._add_row(plan, req, req.num_computed_tokens, 1, is_prefill=False,
                       drafts=window[:k], window=tuple(window))
 
-
     def _schedule_prefill_chunks(self, plan: "_Plan") -> None:
         """2. The next chunk of each running request still in its prompt, as large as the
         budget and the free blocks allow."""

@@ -26,8 +26,9 @@ from labkit.lessons.speculative_decoding.measure import (MAX_MODEL_LEN, acceptan
                                                          tokens_per_step)
 
 __all__ = [
-    "MAX_MODEL_LEN", "acceptance_check", "async_claim", "cost_claim", "decode_span", "draft_acceptance",
-    "draft_claim", "expected_table", "formula_claim", "full_verifies", "gpu_cost_claim",
-    "graph_claim", "lookup_hits", "lookup_models", "ngram_acceptance", "ngram_claim",
-    "prompts_for", "repeating_prompts", "speedup_claims", "speedups", "step_costs", "tokens_per_step",
+    "MAX_MODEL_LEN", "acceptance_check", "async_claim", "cost_claim", "decode_span",
+    "draft_acceptance", "draft_claim", "expected_table", "formula_claim", "full_verifies",
+    "gpu_cost_claim", "graph_claim", "lookup_hits", "lookup_models", "ngram_acceptance",
+    "ngram_claim", "prompts_for", "repeating_prompts", "speedup_claims", "speedups",
+    "step_costs", "tokens_per_step",
 ]
