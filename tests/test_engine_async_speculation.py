@@ -15,8 +15,9 @@ import torch
 
 from labkit.engine import LLM, ModelConfig, SamplingParams, SpeculativeConfig
 from labkit.engine.config import SchedulerConfig
-from labkit.engine.speculative import accept_greedy, accepted_on_device
+from labkit.engine.speculative import accept_greedy
 from labkit.engine.step_metadata import build_step_metadata
+from labkit.kernels.rows_ahead import count_accepted, move_rows
 from labkit.kvcache import BlockManager
 from labkit.kvcache.refusals import OutOfBlocks
 
@@ -178,31 +179,74 @@ def test_only_position_based_drafts_can_be_planned_ahead():
 
 
 # ---------------------------------------------------------------- counting on the device
-def test_accepted_on_device_is_accept_greedy_row_by_row():
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
+def test_count_accepted_is_accept_greedy_row_by_row(use_kernel):
     rng = random.Random(3)
-    for _ in range(200):
-        rows = rng.randrange(1, 6)
-        ids, logits_indices, sample_rows, samples, want = [], [], [], [], []
-        for r in range(rows):
+    for _ in range(60 if use_kernel else 200):
+        ids, logits_indices, starts, samples, want = [], [], [0], [], []
+        for _ in range(rng.randrange(1, 6)):
             if rng.random() < 0.3:  # a prefill chunk or decode: one sample after its last token
                 ids += [rng.randrange(4) for _ in range(rng.randrange(1, 5))]
                 logits_indices.append(len(ids) - 1)
-                sample_rows.append(r)
                 samples.append(rng.randrange(4))
                 want.append((0, samples[-1]))
-                continue
-            k = rng.randrange(1, 5)
-            drafts = [rng.randrange(3) for _ in range(k)]
-            target = [rng.randrange(3) for _ in range(k + 1)]
-            ids += [rng.randrange(4)] + drafts
-            logits_indices += range(len(ids) - k - 1, len(ids))
-            sample_rows += [r] * (k + 1)
-            samples += target
-            want.append(accept_greedy(drafts, target))
-        t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-        accepted, nxt = accepted_on_device(t(samples), t(ids), t(logits_indices),
-                                           t(sample_rows), rows)
+            else:
+                k = rng.randrange(1, 5)
+                drafts = [rng.randrange(3) for _ in range(k)]
+                target = [rng.randrange(3) for _ in range(k + 1)]
+                ids += [rng.randrange(4)] + drafts
+                logits_indices += range(len(ids) - k - 1, len(ids))
+                samples += target
+                want.append(accept_greedy(drafts, target))
+            starts.append(len(samples))
+        t = lambda x, d=torch.int32: torch.tensor(x, dtype=d)  # noqa: E731
+        accepted, nxt = count_accepted(t(samples, torch.int64), t(ids), t(logits_indices),
+                                       t(starts), 5, use_kernel=use_kernel)
         assert list(zip(accepted.tolist(), nxt.tolist())) == want
+
+
+def test_move_rows_kernel_is_its_reference_on_random_rows():
+    """Rows planned ahead, moved by random accepted counts: positions, slots through the block
+    table, the next token at offset 0, drafts from the window, each row's length once."""
+    rng = random.Random(5)
+    t = lambda x, d=torch.int32: torch.tensor(x, dtype=d)  # noqa: E731
+    for _ in range(20):
+        bs, rows = rng.choice([2, 4, 16]), rng.randrange(1, 5)
+        ks = [rng.randrange(0, 5) for _ in range(rows)]        # drafts of each planned row
+        prev = [rng.randrange(0, 5) for _ in range(rows)]       # drafts its source row had
+        width = 12
+        tables = torch.randperm(rows * width).int().view(rows, width)
+        ids, pos, lens, dst, src, off, row, win, window = [], [], [], [], [], [], [], [], []
+        for r in range(rows):
+            start = rng.randrange(0, 4 * bs)
+            for j in range(ks[r] + 1):
+                dst.append(len(ids))
+                ids.append(-1 if j == 0 else 99)
+                pos.append(start + j)
+                src.append(r)
+                off.append(j)
+                row.append(r)
+                win.append(-1 if j == 0 else len(window) + j - 1)
+            window += [rng.randrange(50) for _ in range(prev[r] + ks[r])]
+            lens.append(start + ks[r] + 1)
+        window.append(0)
+        win = [len(window) - 1 if w < 0 else w for w in win]
+        accepted = t([rng.randrange(p + 1) for p in prev], torch.int64)
+        nxt = t([rng.randrange(50) for _ in range(rows)], torch.int64)
+        out = []
+        for use_kernel in (False, True):
+            meta = [t(ids), t(pos), t([0] * len(ids)), t(lens)]
+            move_rows(*meta, tables, t(dst), t(src), t(off), t(row), t(win), t(window), nxt,
+                      accepted, bs, use_kernel=use_kernel)
+            out.append(meta)
+        assert all(torch.equal(a, b) for a, b in zip(*out))
+        ids_, pos_, slots_, lens_ = (m.tolist() for m in out[0])
+        for i, (p0, r, j) in enumerate(zip(pos, row, off)):
+            a = int(accepted[r])
+            assert pos_[i] == p0 + a and slots_[i] == int(tables[r, (p0 + a) // bs]) * bs + \
+                (p0 + a) % bs
+            assert ids_[i] == (int(nxt[r]) if j == 0 else window[win[i] + a])
+        assert lens_ == [n + int(a) for n, a in zip(lens, accepted)]
 
 
 # ---------------------------------------------------------------- the block manager

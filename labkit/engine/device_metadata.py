@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from labkit.engine.step_metadata import StepMetadata
+from labkit.kernels.rows_ahead import move_rows
 from labkit.overlap.staging import PinnedStagingPool
 
 
@@ -29,7 +30,7 @@ class DeviceMetadata:
     seq_lens: torch.Tensor        # [num_rows]
     block_tables: torch.Tensor    # [num_rows, max_blocks]
     logits_indices: torch.Tensor  # [num_sampled]
-    sample_rows: torch.Tensor | None = None  # [num_sampled] which sampling row each is from
+    sample_starts: torch.Tensor | None = None  # [rows that sample + 1]: their first samples
 
 
 def decode_inputs(md: DeviceMetadata) -> tuple[torch.Tensor, ...]:
@@ -46,13 +47,13 @@ def metadata_to_device(md: StepMetadata, staging: PinnedStagingPool | None,
     waits on its event (the host does not). Input tokens still PENDING on the host are
     taken from ``prev_tokens``, the previous step's samples on the device (one per row that
     samples). Rows planned ahead of the previous step's accepted counts (async speculation)
-    are moved by ``prev_accepted`` (:func:`move_rows_ahead`; ``block_size`` gives their slots).
+    are moved by ``prev_accepted`` (``labkit.kernels.rows_ahead.move_rows``, in place; its
+    ``block_size`` gives their slots).
     ``staging``: the runner's pinned buffers (None on CPU: the buffer is used where it is)."""
     width = md.block_tables.shape[1]
     parts = (md.input_ids, md.positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
              md.block_tables, md.logits_indices, md.pending_dst, md.pending_src, md.shift_dst,
-             md.shift_src, md.shift_off, md.shift_row, md.shift_win, md.window, md.shift_rows,
-             md.shift_rows_src, md.sample_rows)
+             md.shift_src, md.shift_off, md.shift_row, md.shift_win, md.window, md.sample_starts)
     sizes = [len(p) for p in parts]
     sizes[5] = md.block_tables.size
     # numpy converts a list of ints in C: a mixed step's padded block tables alone are
@@ -65,7 +66,7 @@ def metadata_to_device(md: StepMetadata, staging: PinnedStagingPool | None,
         host = staging.stage(flat.shape, torch.int32)
         host.copy_(flat)
         buf = staging.submit().wait()
-    ids, pos, slots, cu, lens, tables, logits_idx, dst, src, *ahead, sample_rows = \
+    ids, pos, slots, cu, lens, tables, logits_idx, dst, src, *ahead, sample_starts = \
         buf.split(sizes)
     tables = tables.view(len(md.seq_lens), width)
     if len(md.pending_dst) or len(md.shift_dst):
@@ -78,27 +79,6 @@ def metadata_to_device(md: StepMetadata, staging: PinnedStagingPool | None,
         if prev_accepted is None or block_size is None:
             raise RuntimeError("rows planned ahead of the previous step's accepted counts: "
                                "pass them (prev_accepted) and the block size")
-        ids, pos, slots, lens = move_rows_ahead(ids, pos, slots, lens, tables, *ahead,
-                                                prev_tokens, prev_accepted, block_size)
-    return DeviceMetadata(ids, pos, slots, cu, lens, tables, logits_idx, sample_rows)
+        move_rows(ids, pos, slots, lens, tables, *ahead, prev_tokens, prev_accepted, block_size)
+    return DeviceMetadata(ids, pos, slots, cu, lens, tables, logits_idx, sample_starts)
 
-
-def move_rows_ahead(ids, pos, slots, lens, tables, dst, src, off, row, win, window, rows,
-                    rows_src, prev_tokens, prev_accepted, block_size):
-    """Async speculation on the device: a row planned as if the step in flight kept none of
-    its drafts moves by the A it kept (``prev_accepted[src]``): its positions and length grow by
-    A, its first token is that step's next token (``prev_tokens[src]``), its drafts are
-    ``window[win + A]``, and its slots are read from its block table at the new positions (the
-    blocks were held for the longest outcome). Returns the new ids, positions, slots, lengths;
-    nothing is read back to the host."""
-    dst, src, row = dst.long(), src.long(), row.long()
-    shift = prev_accepted[src].to(pos.dtype)
-    moved = pos[dst] + shift
-    first = off == 0
-    token = torch.where(first, prev_tokens[src].to(ids.dtype),
-                        window[win.long() + torch.where(first, 0, shift).long()])
-    block = tables[row, (moved // block_size).long()]
-    return (ids.index_put((dst,), token), pos.index_put((dst,), moved),
-            slots.index_put((dst,), block * block_size + moved % block_size),
-            lens.index_put((rows.long(),), lens[rows.long()]
-                           + prev_accepted[rows_src.long()].to(lens.dtype)))

@@ -40,7 +40,7 @@ accepted count A is unknown. A request whose row in step N samples gets its step
 A = 0 (``_schedule_ahead``): blocks held for the longest outcome (``BlockManager.reserve``) and
 a window of drafts for every outcome (``ScheduledSeq.draft_window``), which the controlled draft
 can propose because its tokens depend on the position alone. The device counts A and moves the
-row (``device_metadata.move_rows_ahead``); ``update(N)`` resolves it on the host to the row the
+row (``labkit.kernels.rows_ahead``); ``update(N)`` resolves it on the host to the row the
 plain loop would have scheduled, appends its tokens into the held blocks and gives back the
 rest. A request that the longest outcome would finish waits one step instead.
 """

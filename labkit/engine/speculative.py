@@ -351,32 +351,6 @@ def verify_row(bm, row, targets: Sequence[int], stats: SpecDecodeStats) -> list[
     return [*drafts[:accepted], bonus]
 
 
-def accepted_on_device(samples: torch.Tensor, input_ids: torch.Tensor,
-                       logits_indices: torch.Tensor, sample_rows: torch.Tensor,
-                       num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification on the device, without reading anything back: per row that samples,
-    how many drafts the target agreed with and the token that follows them (the target's own).
-
-    ``samples: [num_sampled]`` the step's choices (a verify row's argmax at each position),
-    ``input_ids`` the step's input tokens, ``logits_indices`` which input token each sample
-    follows, ``sample_rows`` which sampling row (0..num_rows-1) each belongs to, in order. A
-    sample whose successor belongs to its row is followed by a draft in the input; drafts are
-    accepted while they equal the samples before them. Rows without drafts accept 0 and pass
-    their one sample on. Returns ``(accepted, next_tokens)``, both ``[num_rows]`` int64: what
-    async speculation's next step reads (``Scheduler`` docstring)."""
-    m = samples.numel()
-    i = torch.arange(m, device=samples.device)
-    rows = sample_rows.long()
-    follows = input_ids[(logits_indices.long() + 1).clamp(max=input_ids.numel() - 1)]
-    same_row = torch.zeros(m, dtype=torch.bool, device=samples.device)
-    same_row[:-1] = rows[1:] == rows[:-1]
-    stop = torch.where(same_row & (follows.long() == samples.long()), m, i)  # first mismatch
-    first_stop = torch.full((num_rows,), m, device=samples.device).scatter_reduce(
-        0, rows, stop, "amin")
-    first = torch.full((num_rows,), m, device=samples.device).scatter_reduce(0, rows, i, "amin")
-    return first_stop - first, samples[first_stop].long()
-
-
 _ARGMAX = SamplingParams(max_tokens=1)  # sample() takes the argmax and draws nothing
 
 

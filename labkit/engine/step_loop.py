@@ -8,8 +8,9 @@ non-blocking copy into one of two pinned buffers (step N's and step N+1's), and 
 is taken when the host has read it.
 
 With async speculation (the controlled draft), each step's accepted counts and next tokens are
-counted on the device right after sampling (``speculative.accepted_on_device``) and the next
-step, already planned, reads them there (``labkit.engine.scheduler`` explains the plan).
+counted on the device right after sampling (``labkit.kernels.rows_ahead.count_accepted``) and
+the next step, already planned, reads them there (``labkit.engine.scheduler`` explains the
+plan).
 
 With speculative decoding under full CUDA Graphs, the verify graphs (one per request bucket,
 for k + 1 tokens a row: ``labkit.engine.verify_graphs``) are captured before the first step,
@@ -31,7 +32,8 @@ import torch
 from labkit.engine.outputs import GRAPH_KINDS, RequestOutput, StepRecord
 from labkit.engine.request import Request, ScheduledStep
 from labkit.engine.sampling import SamplingParams
-from labkit.engine.speculative import accepted_on_device, sample_with_drafts
+from labkit.engine.speculative import sample_with_drafts
+from labkit.kernels.rows_ahead import count_accepted
 from labkit.overlap import InFlightCopy, start_copy_to_host
 
 
@@ -58,7 +60,7 @@ class LaunchedStep:
     graph_query_len: int | None = None
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # device_step_times
     # async speculation: per row that samples, the drafts kept and the token after them,
-    # counted on the device (``speculative.accepted_on_device``) for the next step to read
+    # counted on the device (``rows_ahead.count_accepted``) for the next step to read
     accepted: torch.Tensor | None = None
     next_tokens: torch.Tensor | None = None
 
@@ -118,9 +120,10 @@ class StepLoop:
                                         [e.generator for e in every])
             accepted = next_tokens = None
             if ahead:  # what the next step, planned before these are read, moves by
-                accepted, next_tokens = accepted_on_device(
+                accepted, next_tokens = count_accepted(
                     tokens, out.inputs.input_ids, out.inputs.logits_indices,
-                    out.inputs.sample_rows, len(rows))
+                    out.inputs.sample_starts, 1 + self.scheduler.config.speculative.
+                    num_speculative_tokens)
             if events is not None:
                 events[1].record()
         except BaseException:

@@ -36,23 +36,21 @@ class StepMetadata:
     # Async speculation: rows planned before the step in flight's accepted counts are known
     # (``ScheduledSeq.draft_window``). For each of their tokens: where it is, which sample row
     # of that step shifts it, its offset in the row, its row, and (offset >= 1) its draft's
-    # index in ``window`` for A = 0; for each such row: its index and that sample row. The
-    # host values of these tokens and rows are for A = 0; ``metadata_to_device`` moves them.
+    # index in ``window`` for A = 0. The host values of these tokens and their rows are for
+    # A = 0; ``metadata_to_device`` moves them (``labkit.kernels.rows_ahead``).
     shift_dst: list[int] = ()
     shift_src: list[int] = ()
     shift_off: list[int] = ()
     shift_row: list[int] = ()
     shift_win: list[int] = ()
     window: list[int] = ()
-    shift_rows: list[int] = ()
-    shift_rows_src: list[int] = ()
-    sample_rows: list[int] = ()     # [num_sampled] which row that samples each sample is from
+    sample_starts: list[int] = (0,)  # [rows that sample + 1]: where each one's samples start
 
     @property
     def lengths_known(self) -> bool:
         """False when a row's length waits on the step in flight (async speculation): the
         host lengths are then lower bounds, and only the device's are exact."""
-        return not self.shift_rows
+        return not self.shift_dst
 
     @property
     def num_tokens(self) -> int:
@@ -67,8 +65,8 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
     input_ids, positions, slot_mapping = [], [], []
     cu_seqlens_q, seq_lens, tables, logits_indices = [0], [], [], []
     pending_dst, pending_src = [], []
-    shift = {"dst": [], "src": [], "off": [], "row": [], "win": [], "rows": [], "rows_src": []}
-    window, sample_rows, longest = [], [], 0
+    shift = {"dst": [], "src": [], "off": [], "row": [], "win": []}
+    window, sample_starts, longest = [], [0], 0
     for i, row in enumerate(step.rows):
         rid, end = row.request_id, row.start + row.num_tokens
         base = len(input_ids)
@@ -83,8 +81,6 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
             shift["off"] += range(row.num_tokens)
             shift["row"] += [i] * row.num_tokens
             shift["win"] += [0, *range(len(window), len(window) + row.num_draft)]
-            shift["rows"].append(i)
-            shift["rows_src"].append(row.input_from)
             window += row.draft_window
             slot_mapping += [0] * row.num_tokens  # the device computes them
             longest = max(longest, reach)
@@ -106,7 +102,7 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
         last = cu_seqlens_q[-1] - 1
         logits_indices += range(last - row.num_logits + 1, last + 1)
         if row.num_logits:
-            sample_rows += [sample_rows[-1] + 1 if sample_rows else 0] * row.num_logits
+            sample_starts.append(sample_starts[-1] + row.num_logits)
     width = max((len(t) for t in tables), default=0)
     if max_blocks_per_seq is not None:
         if width > max_blocks_per_seq:
@@ -119,12 +115,11 @@ def build_step_metadata(step: ScheduledStep, bm: BlockManager, *,
     for i, t in enumerate(tables):
         padded[i, :len(t)] = t
     tables = padded
-    if shift["rows"]:
+    if shift["dst"]:
         window.append(0)  # what offset-0 tokens index (they take the sampled token instead)
         shift["win"] = [len(window) - 1 if off == 0 else w
                         for off, w in zip(shift["off"], shift["win"])]
     return StepMetadata(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables,
                         logits_indices, max((r.num_tokens for r in step.rows), default=0),
                         longest, pending_dst, pending_src, shift["dst"], shift["src"],
-                        shift["off"], shift["row"], shift["win"], window, shift["rows"],
-                        shift["rows_src"], sample_rows)
+                        shift["off"], shift["row"], shift["win"], window, sample_starts)
