@@ -233,6 +233,26 @@ def test_plain_engines_run_the_speculating_engines_loop(monkeypatch):
                     (None, {"max_num_seqs": 4, "async_scheduling": True})]
 
 
+def test_what_only_counts_tokens_builds_eager_engines_unless_told(model, monkeypatch):
+    """Capturing graphs is most of an engine's build on a GPU and nothing counted needs them:
+    the acceptance counts build every engine (reference runs alike) with cudagraph_mode none."""
+    seen = []
+    real = measure.LLM
+
+    def recording(*args, **kw):
+        seen.append(kw.get("cudagraph_mode"))
+        return real(*args, **kw)
+    monkeypatch.setattr(measure, "LLM", recording)
+    sp.acceptance_check(model, accepts=(0.8,), ks=(2,), batch=2, max_tokens=6, device="cpu")
+    sp.ngram_acceptance(model, k=2, batch=2, max_tokens=6, device="cpu")
+    sp.draft_acceptance(model, k=2, batch=2, max_tokens=6, device="cpu")
+    assert seen and set(seen) == {"none"}, seen
+    seen.clear()
+    sp.acceptance_check(model, accepts=(0.8,), ks=(2,), batch=2, max_tokens=6, device="cpu",
+                        cudagraph_mode="piecewise")
+    assert set(seen) == {"piecewise"}
+
+
 def test_runs_in_turn_start_at_a_different_one_each_round_and_keep_their_order():
     order = []
     runs = [lambda i=i: order.append(i) or i * 10 for i in range(3)]

@@ -21,6 +21,10 @@ from labkit.engine.speculative import NgramProposer, expected_tokens_per_step
 from labkit.measure.rounds import Spread
 
 MAX_MODEL_LEN = 256  # tokens: every prompt here plus its output fits
+# What only counts tokens runs eagerly: capturing an engine's graphs (a full graph per batch
+# bucket, piecewise graphs per token bucket) is most of building it on a GPU, and nothing
+# counted depends on them. Options given override it.
+COUNT_ONLY = {"cudagraph_mode": "none"}
 
 
 def expected_table(accepts=(0.5, 0.7, 0.8, 0.9), ks=(1, 2, 4, 8)) -> pd.DataFrame:
@@ -224,7 +228,8 @@ def acceptance_check(model, accepts=(0.5, 0.8, 0.9), ks=(1, 2, 4), batch: int = 
     """The controlled draft's emitted tokens per verify against (1 - a^(k+1)) / (1 - a), over
     ``batch`` requests (hundreds of verifies per setting). Verifies near a request's end propose
     fewer than k tokens, so only full-length ones count: a request's budget, not the draft,
-    would cut those short."""
+    would cut those short. Eager (``COUNT_ONLY``) unless ``options`` say otherwise."""
+    options = {**COUNT_ONLY, **options}
     vocab = model.config.vocab_size
     prompts = prompts_for(batch, prompt_len, vocab, seed=3)
     rows = []
@@ -319,7 +324,8 @@ def ngram_acceptance(models, k: int = 4, batch: int = 4, max_tokens: int = 48, *
     :func:`lookup_hits`), and whether the outputs equal a plain engine's. Random weights do not
     continue a quoted passage; whether a random model falls into loops of its own depends on the
     model, and ``repeats`` measures it: what this shows is the mechanism, not lookup's gain on
-    real text."""
+    real text. Eager (``COUNT_ONLY``) unless ``options`` say otherwise."""
+    options = {**COUNT_ONLY, **options}
     if not isinstance(models, dict):
         models = {"model": models}
     spec = SpeculativeConfig("ngram", num_speculative_tokens=k)
@@ -350,8 +356,10 @@ def draft_acceptance(model, k: int = 4, batch: int = 4, max_tokens: int = 24, se
                      **options) -> dict:
     """A draft model of the target's shape cut to one layer, random weights of its own seed,
     proposing for the target (``SpeculativeConfig("draft", ...)``): drafts proposed and
-    accepted, and whether the outputs equal a plain engine's."""
+    accepted, and whether the outputs equal a plain engine's. Eager (``COUNT_ONLY``) unless
+    ``options`` say otherwise."""
     from dataclasses import replace
+    options = {**COUNT_ONLY, **options}
     draft = random_model(replace(model.config, num_hidden_layers=1), seed=seed,
                          device=next(model.parameters()).device,
                          dtype=next(model.parameters()).dtype)
