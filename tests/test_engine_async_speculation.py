@@ -109,6 +109,17 @@ def test_async_speculation_keeps_outputs_under_the_engines_other_mechanisms(plai
     assert bm.num_free_blocks == bm.num_blocks and not bm.seq_ids, "a block leaked"
 
 
+def test_rows_planned_ahead_take_the_verify_graphs(plain):
+    """A uniform verify step of rows planned ahead goes through the verify graphs' inputs (on
+    CPU the pool checks the captured shapes and runs the function eagerly), moved first."""
+    llm = controlled(0.8, 3)
+    llm.runner.capture_verify_graphs(3)
+    seen = watch_rows_ahead(llm)
+    assert outputs(llm) == plain and max(seen) > 0
+    assert llm.graph_steps["full verify"] > 0, llm.graph_steps
+    assert llm.runner.verify_graphs.stats.eager_calls == llm.graph_steps["full verify"]
+
+
 def test_stop_tokens_and_max_tokens_inside_accepted_drafts(plain):
     """A request that stops inside a verify row's accepted drafts already has a row planned
     ahead: that row's tokens are dropped, its held blocks go back."""
