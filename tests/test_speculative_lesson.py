@@ -72,6 +72,7 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
     assert row.async_same_tokens and row.async_spec_ms_per_token > 0
     assert row.async_ms_per_token / row.async_spec_ms_per_token == \
         pytest.approx(row.async_speedup, rel=0.5)
+    assert row.async_predicted == pytest.approx(row.expected_tokens / row.async_relative_cost)
     assert row.plain_ms_per_token / row.spec_ms_per_token == pytest.approx(row.speedup, rel=0.5)
     assert "versus_async" not in sp.speedups(model, accepts=(1.0,), ks=(2,), max_tokens=8,
                                             rounds=1, device="cpu"), "off by default on a CPU"
@@ -160,6 +161,12 @@ def test_claims_fail_on_figures_that_contradict_them():
     assert sp.async_claim(both.assign(async_same_tokens=[False]), "here", exact=False).held
     two_k = pd.concat([both, both.assign(k=[2], async_speedup=[float("nan")])])
     assert len(sp.speedup_claims(two_k.reset_index(drop=True), 0.15, "here")) == 5
+    # the async pair's speed-up is held to its own prediction as well
+    near = both.assign(predicted=[2.0], async_predicted=[1.9])
+    assert sp.speedup_claims(near, 0.15, "here")[1].held
+    far = near.assign(async_predicted=[2.6])
+    assert not sp.speedup_claims(far, 0.15, "here")[1].held, "1.8 against 2.6 is 31% off"
+    assert sp.speedup_claims(near.assign(async_predicted=[float("nan")]), 0.15, "here")[1].held
     # in bf16 outputs may differ at near ties: no equality claim is made, held or not
     bf16 = sp.speedup_claims(speed.assign(same_tokens=[False]), 0.15, "here", exact=False)
     assert [c.held for c in bf16] == [True, False]

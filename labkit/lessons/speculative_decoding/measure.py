@@ -159,7 +159,8 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     beside them, plain decoding with async scheduling, gives ``versus_async``: the speed-up
     over the plain engine's own best loop; and for the largest k a fourth, the speculating
     engine with async scheduling as well (each step planned before the last one's accepted
-    count is read), gives ``async_speedup``: async against async (NaN for the other k)."""
+    count is read), gives ``async_speedup``: async against async, beside its prediction from
+    the two async loops' step times (``async_predicted``; NaN for the other k)."""
     vocab = model.config.vocab_size
     cells = [(a, k) for a in accepts for k in ks]
     engines = {cell: _engine(model, cell[1], acceptance=cell[0], max_num_seqs=batch, **options)
@@ -203,11 +204,15 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
             row |= {"versus_async": fast.median, "versus_async_low": fast.low,
                     "versus_async_high": fast.high,
                     "async_ms_per_token": _ms_per_token(run[2] for run in triples)}
-            both = None
+            both = async_cost = None
             if (a, k) in overlapped:  # turns: plain, speculating, async plain, async speculating
                 both = Spread.of([run[3]["tokens_per_s"] / run[2]["tokens_per_s"]
                                   for run in triples])
-            row |= {"async_speedup": both.median if both else math.nan,
+                async_cost = Spread.of([run[3]["step_ms"] / run[2]["step_ms"]
+                                        for run in triples]).median
+            row |= {"async_relative_cost": async_cost if both else math.nan,
+                    "async_predicted": expected / async_cost if both else math.nan,
+                    "async_speedup": both.median if both else math.nan,
                     "async_speedup_low": both.low if both else math.nan,
                     "async_speedup_high": both.high if both else math.nan,
                     "async_spec_ms_per_token": _ms_per_token(run[3] for run in triples)
