@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 
 from labkit.engine import ModelConfig, random_model
 from labkit.engine.speculative import expected_tokens_per_step
@@ -258,6 +259,27 @@ def test_what_only_counts_tokens_builds_eager_engines_unless_told(model, monkeyp
     sp.acceptance_check(model, accepts=(0.8,), ks=(2,), batch=2, max_tokens=6, device="cpu",
                         cudagraph_mode="piecewise")
     assert set(seen) == {"piecewise"}
+
+
+def test_step_costs_on_a_gpu_capture_full_graphs_only_unless_told(monkeypatch, model):
+    """Only full-graph replays are timed there, so no engine captures piecewise graphs."""
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def engine(m, k, **kw):
+        seen.append(kw.get("cudagraph_mode"))
+        raise Built
+    monkeypatch.setattr(measure, "_engine", engine)
+    on_gpu = SimpleNamespace(config=model.config, parameters=lambda: iter(
+        [SimpleNamespace(device=torch.device("cuda"))]))
+    for m, kw, want in ((on_gpu, {}, "full_decode_only"),
+                        (on_gpu, {"cudagraph_mode": "piecewise"}, "piecewise"),
+                        (model, {}, None)):
+        with pytest.raises(Built):
+            sp.step_costs(m, batches=(1,), ks=(1,), **kw)
+        assert seen.pop() == want
 
 
 def test_runs_in_turn_start_at_a_different_one_each_round_and_keep_their_order():

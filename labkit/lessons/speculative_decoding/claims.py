@@ -69,8 +69,8 @@ def graph_claim(costs: pd.DataFrame, gpu: bool, where: str):
         return claim("{v} of the verify steps (by cell) replayed a full CUDA Graph captured "
                      "for their request bucket and k + 1 tokens a request, and {d} of the "
                      "decode steps a full decode graph {where}; each median above is over those "
-                     "replays alone, a graph replay against a graph replay (the rest, where "
-                     "drafts came up short near a request's end, ran piecewise graphs).",
+                     "replays alone, a graph replay against a graph replay (the rest, beside a "
+                     "prefill or with drafts cut short near a request's end, are not timed).",
                      verify.min() > 0 and decode.min() > 0, v=_shares(verify),
                      d=_shares(decode), where=where)
     return claim("{v:.0%} of the timed verify steps and {d:.0%} of the decode steps replayed a "

@@ -109,8 +109,13 @@ def step_costs(model, batches=(1, 8, 32), ks=(1, 2, 4, 8), prompt_len: int = 64,
     graph (``full_decode_share``) and of verify steps a full verify graph
     (``full_verify_share``). Where the engine records device time (a GPU), the same steps on
     the GPU's clock too: ``decode_gpu_ms``, ``verify_gpu_ms`` and their ratio
-    ``gpu_relative_cost`` (``gpu_low``-``gpu_high``)."""
+    ``gpu_relative_cost`` (``gpu_low``-``gpu_high``). On a GPU the engines capture full graphs
+    only (``cudagraph_mode="full_decode_only"`` unless ``options`` say otherwise): only full
+    graph replays are timed, the piecewise graphs the other steps would take are most of the
+    graphs an engine captures, and those few steps run eagerly, untimed."""
     check_positive_int("rounds", rounds)
+    if next(model.parameters()).device.type == "cuda":
+        options = {"cudagraph_mode": "full_decode_only", **options}
     vocab = model.config.vocab_size
     engines = {k: _engine(model, k, max_num_seqs=max(batches), **options) for k in ks}
     engines[None] = _plain(model, max(batches), **options)
