@@ -37,6 +37,14 @@ def reference_output(prompt, max_tokens, max_model_len, eos=()):
             return out
 
 
+def copy_blocks(memory: dict, block_copies, block_size: int) -> None:
+    """Apply a step's copy-on-write ``(src, dst)`` block copies to a fake cache (slot -> key)."""
+    for src, dst in block_copies:
+        for i in range(block_size):
+            if src * block_size + i in memory:
+                memory[dst * block_size + i] = memory[src * block_size + i]
+
+
 class FakeRunner:
     def __init__(self, bm: BlockManager):
         self.bm = bm
@@ -44,10 +52,7 @@ class FakeRunner:
 
     def __call__(self, step) -> list[int]:
         bs = self.bm.block_size
-        for src, dst in step.block_copies:
-            for i in range(bs):
-                if src * bs + i in self.memory:
-                    self.memory[dst * bs + i] = self.memory[src * bs + i]
+        copy_blocks(self.memory, step.block_copies, bs)
         md = build_step_metadata(step, self.bm)
         t = 0
         for row in step.rows:  # store every new token's KV first, as each layer does

@@ -22,7 +22,7 @@ from labkit.engine.speculative import SpeculativeConfig
 from labkit.engine.step_metadata import build_step_metadata
 from labkit.kernels.rows_ahead import count_accepted
 from labkit.kvcache import BlockManager
-from scheduler_harness import EOS, VOCAB, check_blocks, prompt_of
+from scheduler_harness import EOS, VOCAB, check_blocks, copy_blocks, prompt_of
 
 ROOT = 12345
 
@@ -60,10 +60,7 @@ class FakeDevice:
 
     def __call__(self, step, prev):
         bs = self.bm.block_size
-        for src, dst in step.block_copies:
-            for i in range(bs):
-                if src * bs + i in self.memory:
-                    self.memory[dst * bs + i] = self.memory[src * bs + i]
+        copy_blocks(self.memory, step.block_copies, bs)
         md = build_step_metadata(step, self.bm)
         dev = metadata_to_device(md, None, *(prev or (None, None)), block_size=bs)
         ids, pos, slots = dev.input_ids.tolist(), dev.positions.tolist(), dev.slot_mapping.tolist()
