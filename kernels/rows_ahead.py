@@ -28,7 +28,18 @@ import triton.language as tl
 from labkit.kernels.grid import next_power_of_2
 
 
-@triton.jit
+# Nothing is specialised on values that change from step to step: an integer's (equal to 1, a
+# multiple of 16) or a pointer's alignment (the metadata arrays are views into one buffer, at
+# offsets set by the step's sizes). Each new specialisation would compile in the middle of a
+# timed run; these kernels load a few scalars a program, which alignment does not speed up.
+_COUNT_POINTERS = ["samples_ptr", "input_ids_ptr", "logits_indices_ptr", "sample_starts_ptr",
+                   "accepted_ptr", "next_ptr"]
+_MOVE_POINTERS = ["ids_ptr", "pos_ptr", "slots_ptr", "lens_ptr", "tables_ptr", "dst_ptr",
+                  "src_ptr", "off_ptr", "row_ptr", "win_ptr", "window_ptr", "next_ptr",
+                  "accepted_ptr"]
+
+
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=_COUNT_POINTERS)
 def count_accepted_kernel(
     samples_ptr,        # int64 [num_sampled]
     input_ids_ptr,      # int32 [num_tokens]
@@ -88,7 +99,8 @@ def count_accepted_ref(samples, input_ids, logits_indices, sample_starts):
     return first_stop - sample_starts[:-1].long(), samples[first_stop.clamp(max=m - 1)].long()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride", "block_size"],
+            do_not_specialize_on_alignment=_MOVE_POINTERS)
 def move_rows_kernel(
     ids_ptr, pos_ptr, slots_ptr, lens_ptr,  # int32 step metadata, moved in place
     tables_ptr, table_stride,               # int32 [num_rows, width]
