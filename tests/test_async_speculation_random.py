@@ -9,7 +9,7 @@ planned it (as if no draft was kept); it is moved by the engine's own code
 the host's later knowledge. Steps are launched before the previous step is updated, as the
 engine's async loop does. Every request must generate the chained greedy continuation, every
 block invariant must hold after every update, and no block may be left at the end, across
-many rollbacks, preemptions, prefix hits and stop tokens.
+over a thousand rollbacks a run, preemptions, prefix hits and stop tokens.
 """
 import hypothesis.strategies as st
 import torch
@@ -112,7 +112,7 @@ def workloads(draw):
     return block_size, draw(st.integers(6, 24)), draw(st.booleans()), cfg, requests
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_async_speculation_generates_the_greedy_continuation_and_keeps_every_invariant(w):
     block_size, num_blocks, caching, cfg, requests = w
