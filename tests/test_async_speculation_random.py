@@ -132,6 +132,7 @@ def test_async_speculation_generates_the_greedy_continuation_and_keeps_every_inv
         queued = None
         if sched.has_unfinished_requests():
             step = sched.schedule()
+            assert step.num_tokens <= cfg["max_num_batched_tokens"], "over the step's budget"
             if step.rows:
                 queued = (step, *device(step, launched and launched[2:]))
         if launched is not None:  # read only now: the next step is queued already

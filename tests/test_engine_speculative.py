@@ -334,3 +334,31 @@ def test_gpu_a_full_batch_of_verify_rows_fits_the_pinned_token_buffers():
     assert got == base
     assert max(s.num_decode_tokens for s in spec.scheduler.history) > len(PROMPTS), \
         "a step sampled more tokens than there are rows: the case the buffers must hold"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafts_leave_every_later_decode_row_its_token_within_the_budget(async_scheduling):
+    """Four requests verifying k = 4 under a budget of 8 tokens: the first rows' drafts must
+    leave one token for each decode row after them, so no step exceeds the budget."""
+    from labkit.kvcache import BlockManager
+    from labkit.engine.scheduler import Scheduler
+    sched = Scheduler(SchedulerConfig(
+        max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64, vocab_size=20,
+        async_scheduling=async_scheduling,
+        speculative=SpeculativeConfig("controlled", 4, acceptance=1.0)), BlockManager(64, 4))
+    for i in range(4):
+        sched.add_request(i, [1, 2], max_tokens=30, reference=[5] * 30)
+    sizes, in_flight = [], None
+    while sched.has_unfinished_requests() or in_flight is not None:
+        step = sched.schedule() if sched.has_unfinished_requests() else None
+        if step is not None and step.rows:
+            sizes.append((step.num_tokens, len(step.rows), step.stats.num_spec_proposed))
+        if not async_scheduling:
+            if step is not None and step.rows:
+                sched.update(step, [5] * step.num_sampled)
+            continue
+        if in_flight is not None:
+            sched.update(in_flight, [5] * in_flight.num_sampled)
+        in_flight = step if step is not None and step.rows else None
+    assert max(n for n, _, _ in sizes) <= 8, sizes
+    assert any(rows == 4 and drafts > 0 for _, rows, drafts in sizes), "drafts still proposed"

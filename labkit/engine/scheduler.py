@@ -80,6 +80,7 @@ class _Plan:
     preempted: list[Request] = field(default_factory=list)
     scheduled: set[Hashable] = field(default_factory=set)
     starved: bool = False  # a running prefill got no tokens: admit nobody this step
+    decodes_after: int = 0  # decode rows still to come after the one being planned
     hit_tokens: int = 0
 
 
@@ -198,8 +199,11 @@ class Scheduler(StepResults):
 
     def _schedule_decodes(self, plan: "_Plan") -> None:
         """1. One token for each running request past its prompt, oldest first; the newest
-        running request gives way when blocks run out."""
-        for req in [r for r in self.running if r.is_decode]:
+        running request gives way when blocks run out. Drafts take what is left of the budget
+        once every later decode row has its one token (``plan.decodes_after``)."""
+        decodes = [r for r in self.running if r.is_decode]
+        for i, req in enumerate(decodes):
+            plan.decodes_after = len(decodes) - i - 1
             if req.status is not Status.RUNNING or self._done_when_resolved(req):
                 continue  # preempted earlier in this loop, or finishing with its pending token
             self._preempt_until(plan, req, lambda: self.bm.can_append(req.request_id),
@@ -213,8 +217,8 @@ class Scheduler(StepResults):
                 continue
             plan.copies += self.bm.append_token(req.request_id, None if token == PENDING else token)
             drafts = [] if token == PENDING or not req.speculate else propose_drafts(
-                self._proposer, self.bm, req, plan.budget - 1, self.config.max_model_len,
-                self.config.vocab_size)
+                self._proposer, self.bm, req, plan.budget - 1 - plan.decodes_after,
+                self.config.max_model_len, self.config.vocab_size)
             if drafts:
                 plan.copies += self.bm.append_draft(req.request_id, drafts)
             self._add_row(plan, req, start, 1, is_prefill=False, drafts=drafts)
@@ -236,7 +240,7 @@ class Scheduler(StepResults):
             rid, req.num_tokens + k_prev), requester_too=True)
         if req.status is not Status.RUNNING:
             return
-        room = min(plan.budget - 1, req.max_tokens - longest - 1,
+        room = min(plan.budget - 1 - plan.decodes_after, req.max_tokens - longest - 1,
                    cfg.max_model_len - len(req.prompt_token_ids) - longest - 1)
         window = []
         if req.speculate and req.reference is not None and room > 0:
