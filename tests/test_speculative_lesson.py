@@ -74,6 +74,8 @@ def test_step_costs_and_speedups_run_every_cell_and_keep_greedy_tokens(model):
     assert row.async_ms_per_token / row.async_spec_ms_per_token == \
         pytest.approx(row.async_speedup, rel=0.5)
     assert row.async_predicted == pytest.approx(row.expected_tokens / row.async_relative_cost)
+    assert row.async_predicted == pytest.approx(row.async_speedup, rel=0.25), \
+        "the periods' ratio predicts the async speed-up"
     assert row.plain_ms_per_token / row.spec_ms_per_token == pytest.approx(row.speedup, rel=0.5)
     assert "versus_async" not in sp.speedups(model, accepts=(1.0,), ks=(2,), max_tokens=8,
                                             rounds=1, device="cpu"), "off by default on a CPU"

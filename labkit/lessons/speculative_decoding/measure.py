@@ -165,7 +165,9 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     over the plain engine's own best loop; and for the largest k a fourth, the speculating
     engine with async scheduling as well (each step planned before the last one's accepted
     count is read), gives ``async_speedup``: async against async, beside its prediction from
-    the two async loops' step times (``async_predicted``; NaN for the other k)."""
+    the two async loops' periods, span over steps (``async_predicted``; NaN for the other k).
+    An async step's own record runs from its launch to its tokens' read, past the next step's
+    launch, so its duration is not what it costs the loop."""
     vocab = model.config.vocab_size
     cells = [(a, k) for a in accepts for k in ks]
     engines = {cell: _engine(model, cell[1], acceptance=cell[0], max_num_seqs=batch, **options)
@@ -213,7 +215,9 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
             if (a, k) in overlapped:  # turns: plain, speculating, async plain, async speculating
                 both = Spread.of([run[3]["tokens_per_s"] / run[2]["tokens_per_s"]
                                   for run in triples])
-                async_cost = Spread.of([run[3]["step_ms"] / run[2]["step_ms"]
+                # with a step always in flight a step's record spans two steps of the loop:
+                # the loop's period (span over steps) is what each step costs it
+                async_cost = Spread.of([_period(run[3]) / _period(run[2])
                                         for run in triples]).median
             row |= {"async_relative_cost": async_cost if both else math.nan,
                     "async_predicted": expected / async_cost if both else math.nan,
@@ -226,6 +230,11 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
                                              for run in triples if both)}
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _period(run: dict) -> float:
+    """A ``decode_span`` run's seconds per step: its span over its steps."""
+    return run["span_s"] / run["steps"]
 
 
 def _ms_per_token(runs) -> float:
