@@ -73,8 +73,8 @@ def cached_prefix_len(bm: BlockManager, token_ids: Sequence[int]) -> int:
 class _Plan:
     """The step being filled: what is left of its token budget and what it holds so far."""
     budget: int
-    sample_row: dict  # request id -> its row among the samples of the step in flight
-    sampling: dict = field(default_factory=dict)  # request id -> that row (ScheduledSeq)
+    # request id -> (its index among the rows that sample in the step in flight, that row)
+    in_flight: dict[Hashable, tuple[int, ScheduledSeq]]
     rows: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -179,12 +179,11 @@ class Scheduler(StepResults):
                 f"update(step, sampled_token_ids) first ({limit - 1} step(s) may be in flight "
                 f"{'with' if limit == 2 else 'without'} async_scheduling)")
         # Where each token sampled by the step in flight sits in that step's samples.
-        sample_row, sampling = {}, []
+        in_flight = {}
         if self._in_flight:
             sampling = [r for r in self._in_flight[-1].rows if r.needs_logits]
-            sample_row = {r.request_id: i for i, r in enumerate(sampling)}
-        plan = _Plan(self.config.max_num_batched_tokens, sample_row,
-                     {r.request_id: r for r in sampling})
+            in_flight = {r.request_id: (i, r) for i, r in enumerate(sampling)}
+        plan = _Plan(self.config.max_num_batched_tokens, in_flight)
         self._schedule_decodes(plan)
         self._schedule_prefill_chunks(plan)
         self._admit_waiting(plan)
@@ -230,7 +229,7 @@ class Scheduler(StepResults):
         outcome, A = k_prev (``BlockManager.reserve``); ``update`` resolves it. Its own drafts
         are as many as the longest outcome leaves room for; a request that the longest outcome
         would finish waits for the next step instead (its row could land past its end)."""
-        k_prev = plan.sampling[req.request_id].num_draft
+        k_prev = plan.in_flight[req.request_id][1].num_draft
         longest = len(req.output_token_ids) + k_prev  # outputs after that step, at most
         if longest >= req.max_tokens or \
                 len(req.prompt_token_ids) + longest >= self.config.max_model_len:
@@ -309,7 +308,7 @@ class Scheduler(StepResults):
         of a request's known tokens samples, so it gets a PENDING output token. Drafts' KV is
         written too, but counts as computed only once ``update`` accepts it."""
         tokens = tuple(req.token_ids(start, start + n))
-        source = plan.sample_row[req.request_id] if tokens[-1] == PENDING else None
+        source = plan.in_flight[req.request_id][0] if tokens[-1] == PENDING else None
         needs_logits = start + n == req.num_tokens
         plan.rows.append(ScheduledSeq(req, start, n + len(drafts), tokens + tuple(drafts),
                                       is_prefill, needs_logits, source, len(drafts), window))

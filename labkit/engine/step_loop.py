@@ -59,10 +59,10 @@ class LaunchedStep:
     graph_tokens: int | None = None
     graph_query_len: int | None = None
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # device_step_times
-    # async speculation: per row that samples, the drafts kept and the token after them,
-    # counted on the device (``rows_ahead.count_accepted``) for the next step to read
-    accepted: torch.Tensor | None = None
+    # per row that samples, the token after it, which the next step reads on the device; with
+    # async speculation also the drafts kept before it (``rows_ahead.count_accepted``)
     next_tokens: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None
 
 
 class StepLoop:
@@ -107,18 +107,14 @@ class StepLoop:
             events[0].record()
         ahead = self.async_scheduling and self.scheduler.config.speculative is not None
         try:
-            if prev is None:
-                out = self.runner.execute(step, self.block_manager)
-            elif ahead:
-                out = self.runner.execute(step, self.block_manager, prev.next_tokens,
-                                          prev.accepted)
-            else:
-                out = self.runner.execute(step, self.block_manager, prev.tokens)
+            prev_tokens, prev_accepted = (None, None) if prev is None else \
+                (prev.next_tokens, prev.accepted)
+            out = self.runner.execute(step, self.block_manager, prev_tokens, prev_accepted)
             # a verify row has a row of logits per position it checks: argmaxes for a greedy
             # request, the rejection rule's outcome for a sampled one
             tokens = sample_with_drafts(out.logits, step.rows, [e.params for e in every],
                                         [e.generator for e in every])
-            accepted = next_tokens = None
+            accepted, next_tokens = None, tokens  # without drafts: one sample per row
             if ahead:  # what the next step, planned before these are read, moves by
                 accepted, next_tokens = count_accepted(
                     tokens, out.inputs.input_ids, out.inputs.logits_indices,
@@ -134,7 +130,7 @@ class StepLoop:
             buf = self._token_buffers[step.step_id % 2]  # step N-1's buffer was read already
             host = start_copy_to_host(tokens, buf[:tokens.numel()])
         return LaunchedStep(step, rows, tokens, host, out.graph_batch, start, out.graph_tokens,
-                            out.graph_query_len, events, accepted, next_tokens)
+                            out.graph_query_len, events, next_tokens, accepted)
 
     def _complete(self, done: LaunchedStep) -> list[RequestOutput]:
         sampled = (done.host.synchronize() if done.host is not None else done.tokens).tolist()
