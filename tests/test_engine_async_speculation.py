@@ -22,6 +22,8 @@ from labkit.kvcache import BlockManager
 from labkit.kvcache.refusals import OutOfBlocks
 
 TINY = ModelConfig.tiny()
+# where the Triton kernels run: the GPU where there is one, else the interpreter on the CPU
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[1, 2, 3, 4, 5] * 3 + [1, 2], [7, 8, 9], list(range(40)), [11, 12, 11, 12, 11]]
 
 
@@ -210,7 +212,8 @@ def test_count_accepted_is_accept_greedy_row_by_row(use_kernel):
                 samples += target
                 want.append(accept_greedy(drafts, target))
             starts.append(len(samples))
-        t = lambda x, d=torch.int32: torch.tensor(x, dtype=d)  # noqa: E731
+        dev = KERNEL_DEVICE if use_kernel else "cpu"
+        t = lambda x, d=torch.int32: torch.tensor(x, dtype=d, device=dev)  # noqa: E731
         accepted, nxt = count_accepted(t(samples, torch.int64), t(ids), t(logits_indices),
                                        t(starts), 5, use_kernel=use_kernel)
         assert list(zip(accepted.tolist(), nxt.tolist())) == want
@@ -220,13 +223,13 @@ def test_move_rows_kernel_is_its_reference_on_random_rows():
     """Rows planned ahead, moved by random accepted counts: positions, slots through the block
     table, the next token at offset 0, drafts from the window, each row's length once."""
     rng = random.Random(5)
-    t = lambda x, d=torch.int32: torch.tensor(x, dtype=d)  # noqa: E731
+    t = lambda x, d=torch.int32: torch.tensor(x, dtype=d, device=KERNEL_DEVICE)  # noqa: E731
     for _ in range(20):
         bs, rows = rng.choice([2, 4, 16]), rng.randrange(1, 5)
         ks = [rng.randrange(0, 5) for _ in range(rows)]        # drafts of each planned row
         prev = [rng.randrange(0, 5) for _ in range(rows)]       # drafts its source row had
         width = 12
-        tables = torch.randperm(rows * width).int().view(rows, width)
+        tables = torch.randperm(rows * width).int().view(rows, width).to(KERNEL_DEVICE)
         ids, pos, lens, dst, src, off, row, win, window = [], [], [], [], [], [], [], [], []
         for r in range(rows):
             start = rng.randrange(0, 4 * bs)
