@@ -155,20 +155,26 @@ def step_costs(model, batches=(1, 8, 32), ks=(1, 2, 4, 8), prompt_len: int = 64,
 
 
 def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_len: int = 64,
-             max_tokens: int = 96, rounds: int = 3, versus_async: bool | None = None,
+             max_tokens: int = 320, rounds: int = 3, versus_async: bool | None = None,
              **options) -> pd.DataFrame:
     """Output tokens/s with the controlled draft at each (acceptance, k) over plain decoding
-    with the same step loop (:func:`_plain`) run right beside it, in shuffled rounds, next to
-    the prediction: the formula's tokens per step over the relative step cost (verify step over
-    decode step, from the same two runs). With ``versus_async`` (default: on a GPU) a third run
-    beside them, plain decoding with async scheduling, gives ``versus_async``: the speed-up
-    over the plain engine's own best loop; and for the largest k a fourth, the speculating
-    engine with async scheduling as well (each step planned before the last one's accepted
-    count is read), gives ``async_speedup``: async against async, beside its prediction from
-    the two async loops' periods, span over steps (``async_predicted``; NaN for the other k).
-    An async step's own record runs from its launch to its tokens' read, past the next step's
-    launch, so its duration is not what it costs the loop."""
+    with the same step loop (:func:`_plain`), next to the prediction: the formula's tokens per
+    step over the relative step cost (verify step over decode step, from the same runs). With
+    ``versus_async`` (default: on a GPU) plain decoding with async scheduling runs too, giving
+    ``versus_async``: the speed-up over the plain engine's own best loop; and for the largest k
+    the speculating engine with async scheduling as well (each step planned before the last
+    one's accepted count is read) gives ``async_speedup``: async against async, beside its
+    prediction from the two async loops' periods, span over steps (``async_predicted``; NaN for
+    the other k). An async step's own record runs from its launch to its tokens' read, past the
+    next step's launch, so its duration is not what it costs the loop.
+
+    Each round generates one workload on every engine, in an order shuffled by round, and
+    every ratio is of two runs in the same round. A run is long (``max_tokens``) because the
+    controlled draft's coins make its tokens per step a sample mean: at a = 0.8 and k = 4 one
+    step's tokens have a standard deviation of about 1.6, about 9% of their mean over 30
+    steps and 5% over 100, and a shorter run would put that luck into every round's ratio."""
     vocab = model.config.vocab_size
+    options = {"max_model_len": prompt_len + max_tokens, **options}
     cells = [(a, k) for a in accepts for k in ks]
     engines = {cell: _engine(model, cell[1], acceptance=cell[0], max_num_seqs=batch, **options)
                for cell in cells}
@@ -179,21 +185,18 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     overlapped = {cell: _engine(model, cell[1], acceptance=cell[0], max_num_seqs=batch,
                                 **{"async_scheduling": True, **options})
                   for cell in cells if versus_async and cell[1] == max(ks)}
-    runs = {c: [] for c in cells}
+    named = {"plain": plain_engine, **{("sync", c): e for c, e in engines.items()},
+             **{("async", c): e for c, e in overlapped.items()}}
+    if async_engine is not None:
+        named["async plain"] = async_engine
+    done = []  # per round: engine name -> its decode_span
     for r in range(rounds):
         prompts = prompts_for(batch, prompt_len, vocab, seed=100 + r)
-        for cell in random.Random(r).sample(cells, len(cells)):
-            turns = [lambda: decode_span(plain_engine, prompts, max_tokens),
-                     lambda: decode_span(engines[cell], prompts, max_tokens)]
-            if async_engine is not None:
-                turns.append(lambda: decode_span(async_engine, prompts, max_tokens))
-            if cell in overlapped:
-                turns.append(lambda: decode_span(overlapped[cell], prompts, max_tokens))
-            runs[cell].append(_in_turn(turns, r))
+        order = random.Random(r).sample(list(named), len(named))
+        done.append({name: decode_span(named[name], prompts, max_tokens) for name in order})
     rows = []
     for a, k in cells:
-        triples = runs[(a, k)]
-        pairs = [(p, s) for p, s, *_ in triples]
+        pairs = [(run["plain"], run[("sync", (a, k))]) for run in done]
         speed = Spread.of([s["tokens_per_s"] / p["tokens_per_s"] for p, s in pairs])
         cost = Spread.of([s["step_ms"] / p["step_ms"] for p, s in pairs])
         per_forward = sum(s["emitted"] for _, s in pairs) / sum(s["steps"] for _, s in pairs)
@@ -207,27 +210,31 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
                "plain_ms_per_token": _ms_per_token(p for p, _ in pairs),
                "spec_ms_per_token": _ms_per_token(s for _, s in pairs)}
         if async_engine is not None:
-            fast = Spread.of([s["tokens_per_s"] / q["tokens_per_s"] for _, s, q, *_ in triples])
+            fast = Spread.of([s["tokens_per_s"] / run["async plain"]["tokens_per_s"]
+                              for run, (_, s) in zip(done, pairs)])
             row |= {"versus_async": fast.median, "versus_async_low": fast.low,
                     "versus_async_high": fast.high,
-                    "async_ms_per_token": _ms_per_token(run[2] for run in triples)}
+                    "async_ms_per_token": _ms_per_token(run["async plain"] for run in done)}
             both = async_cost = None
-            if (a, k) in overlapped:  # turns: plain, speculating, async plain, async speculating
-                both = Spread.of([run[3]["tokens_per_s"] / run[2]["tokens_per_s"]
-                                  for run in triples])
+            if (a, k) in overlapped:
+                quads = [(run["async plain"], run[("async", (a, k))]) for run in done]
+                both = Spread.of([s["tokens_per_s"] / q["tokens_per_s"] for q, s in quads])
                 # with a step always in flight a step's record spans two steps of the loop:
                 # the loop's period (span over steps) is what each step costs it
-                async_cost = Spread.of([_period(run[3]) / _period(run[2])
-                                        for run in triples]).median
+                async_cost = Spread.of([_period(s) / _period(q) for q, s in quads]).median
             row |= {"async_relative_cost": async_cost if both else math.nan,
                     "async_predicted": expected / async_cost if both else math.nan,
+                    "async_tokens_per_forward":
+                        sum(s["emitted"] for _, s in quads) / sum(s["steps"] for _, s in quads)
+                        if both else math.nan,
                     "async_speedup": both.median if both else math.nan,
                     "async_speedup_low": both.low if both else math.nan,
                     "async_speedup_high": both.high if both else math.nan,
-                    "async_spec_ms_per_token": _ms_per_token(run[3] for run in triples)
+                    "async_spec_ms_per_token": _ms_per_token(s for _, s in quads)
                     if both else math.nan,
-                    "async_same_tokens": all(run[3]["tokens"] == run[0]["tokens"]
-                                             for run in triples if both)}
+                    "async_same_tokens": all(s["tokens"] == p["tokens"]
+                                             for (p, _), (_, s) in zip(pairs, quads))
+                    if both else True}
         rows.append(row)
     return pd.DataFrame(rows)
 
