@@ -169,7 +169,8 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     next step's launch, so its duration is not what it costs the loop.
 
     Each round generates one workload on every engine, in an order shuffled by round, and
-    every ratio is of two runs in the same round. A run is long (``max_tokens``) because the
+    every ratio is of two runs in the same round; an untimed round first compiles and captures
+    what a long run needs (an engine's own warm-up request is too short to verify drafts). A run is long (``max_tokens``) because the
     controlled draft's coins make its tokens per step a sample mean: at a = 0.8 and k = 4 one
     step's tokens have a standard deviation of about 1.6, about 9% of their mean over 30
     steps and 5% over 100, and a shorter run would put that luck into every round's ratio."""
@@ -190,10 +191,12 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     if async_engine is not None:
         named["async plain"] = async_engine
     done = []  # per round: engine name -> its decode_span
-    for r in range(rounds):
+    for r in range(-1, rounds):  # round -1 warms up: graphs and kernels a verify row first needs
         prompts = prompts_for(batch, prompt_len, vocab, seed=100 + r)
         order = random.Random(r).sample(list(named), len(named))
-        done.append({name: decode_span(named[name], prompts, max_tokens) for name in order})
+        spans = {name: decode_span(named[name], prompts, max_tokens) for name in order}
+        if r >= 0:
+            done.append(spans)
     rows = []
     for a, k in cells:
         pairs = [(run["plain"], run[("sync", (a, k))]) for run in done]
