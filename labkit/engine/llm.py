@@ -71,10 +71,10 @@ class LLM(StepLoop):
     compiled by Inductor for a symbolic token count), the plain ops fused by Inductor; its
     pieces are captured as ``cudagraph_mode`` says (on CPU piecewise replays re-run them).
     ``device_step_times=True`` (CUDA only) gives each step's record its time on the device
-    (``StepRecord.device_s``): CUDA events before its launches and after its sampling, in
-    stream order. For a replayed step that is the GPU's time; for an eager one it also counts
-    the GPU waiting for the host's launches. Where a step's wall time is host time, it says
-    what the GPU needed.
+    (``StepRecord.device_s``): CUDA events in stream order from its inputs on the device (the
+    host has built and sent its metadata) to its samples. For a replayed step that is the GPU's
+    time; for an eager one it also counts the GPU waiting for the host's launches. Where a
+    step's wall time is host time, it says what the GPU needed.
     """
 
     def __init__(self, model: str | Path | ModelConfig | LlamaModel, *,

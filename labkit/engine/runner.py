@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -260,17 +261,21 @@ class ModelRunner(StepAttention):
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, bm: BlockManager,
                 prev_tokens: torch.Tensor | None = None,
-                prev_accepted: torch.Tensor | None = None) -> StepOutput:
+                prev_accepted: torch.Tensor | None = None,
+                inputs_ready: Callable[[], object] | None = None) -> StepOutput:
         """Runs ``step`` (call it after ``schedule()``, before ``update()``); ``prev_tokens``:
         the step in flight's next token per row that samples, on the device, for rows whose
         input is PENDING; ``prev_accepted``: its drafts kept per such row, for rows planned
-        ahead of them (async speculation)."""
+        ahead of them (async speculation). ``inputs_ready`` is called once the step's inputs
+        are queued on the device, right before its forward (e.g. an event's ``record``)."""
         self.cache.copy_blocks(list(step.block_copies))
         if not step.rows:
             vocab = self.model.config.vocab_size
             return StepOutput(torch.empty(0, vocab, device=self.device), None)
         md = build_step_metadata(step, bm)
         dev = self.to_device(md, prev_tokens, prev_accepted)
+        if inputs_ready is not None:
+            inputs_ready()
         return replace(self._run(step, md, dev), inputs=dev)
 
     def _run(self, step: ScheduledStep, md: StepMetadata, dev: DeviceMetadata) -> StepOutput:

@@ -104,12 +104,12 @@ class StepLoop:
         events = None
         if self.device_step_times:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
         ahead = self.async_scheduling and self.scheduler.config.speculative is not None
         try:
             prev_tokens, prev_accepted = (None, None) if prev is None else \
                 (prev.next_tokens, prev.accepted)
-            out = self.runner.execute(step, self.block_manager, prev_tokens, prev_accepted)
+            out = self.runner.execute(step, self.block_manager, prev_tokens, prev_accepted,
+                                      None if events is None else events[0].record)
             # a verify row has a row of logits per position it checks: argmaxes for a greedy
             # request, the rejection rule's outcome for a sampled one
             tokens = sample_with_drafts(out.logits, step.rows, [e.params for e in every],
