@@ -169,12 +169,15 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     next step's launch, so its duration is not what it costs the loop.
 
     Each round generates one workload on every engine, in an order shuffled by round, and
-    every ratio is of two runs in the same round; an untimed round first compiles and captures
+    every ratio is of two runs in the same round (``max_tokens``, at most what the model's
+    context leaves after the prompt); an untimed round first compiles and captures
     what a long run needs (an engine's own warm-up request is too short to verify drafts). A run is long (``max_tokens``) because the
     controlled draft's coins make its tokens per step a sample mean: at a = 0.8 and k = 4 one
     step's tokens have a standard deviation of about 1.6, about 9% of their mean over 30
     steps and 5% over 100, and a shorter run would put that luck into every round's ratio."""
     vocab = model.config.vocab_size
+    # at most what the model's context leaves after the prompt (the tiny model's is 256)
+    max_tokens = min(max_tokens, model.config.max_position_embeddings - prompt_len)
     options = {"max_model_len": prompt_len + max_tokens, **options}
     cells = [(a, k) for a in accepts for k in ks]
     engines = {cell: _engine(model, cell[1], acceptance=cell[0], max_num_seqs=batch, **options)
