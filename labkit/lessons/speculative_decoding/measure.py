@@ -25,6 +25,10 @@ MAX_MODEL_LEN = 256  # tokens: every prompt here plus its output fits
 # bucket, piecewise graphs per token bucket) is most of building it on a GPU, and nothing
 # counted depends on them. Options given override it.
 COUNT_ONLY = {"cudagraph_mode": "none"}
+# speedups' columns of the async pair, NaN where it did not run (every k but the largest)
+ASYNC_COLUMNS = ("async_relative_cost", "async_predicted", "async_tokens_per_forward",
+                 "async_speedup", "async_speedup_low", "async_speedup_high",
+                 "async_spec_ms_per_token")
 
 
 def expected_table(accepts=(0.5, 0.7, 0.8, 0.9), ks=(1, 2, 4, 8)) -> pd.DataFrame:
@@ -169,12 +173,13 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
     next step's launch, so its duration is not what it costs the loop.
 
     Each round generates one workload on every engine, in an order shuffled by round, and
-    every ratio is of two runs in the same round (``max_tokens``, at most what the model's
-    context leaves after the prompt); an untimed round first compiles and captures
-    what a long run needs (an engine's own warm-up request is too short to verify drafts). A run is long (``max_tokens``) because the
-    controlled draft's coins make its tokens per step a sample mean: at a = 0.8 and k = 4 one
-    step's tokens have a standard deviation of about 1.6, about 9% of their mean over 30
-    steps and 5% over 100, and a shorter run would put that luck into every round's ratio."""
+    every ratio is of two runs in the same round; an untimed round first compiles and captures
+    what a long run needs (an engine's own warm-up request is too short to verify drafts).
+    A run is long (``max_tokens``, at most what the model's context leaves after the prompt)
+    because the controlled draft's coins make its tokens per step a sample mean: at a = 0.8
+    and k = 4 one step's tokens have a standard deviation of about 1.6, about 9% of their mean
+    over 30 steps and 5% over 100, and a shorter run would put that luck into every round's
+    ratio."""
     vocab = model.config.vocab_size
     # at most what the model's context leaves after the prompt (the tiny model's is 256)
     max_tokens = min(max_tokens, model.config.max_position_embeddings - prompt_len)
@@ -221,26 +226,23 @@ def speedups(model, accepts=(0.5, 0.8, 1.0), ks=(2, 4), batch: int = 1, prompt_l
             row |= {"versus_async": fast.median, "versus_async_low": fast.low,
                     "versus_async_high": fast.high,
                     "async_ms_per_token": _ms_per_token(run["async plain"] for run in done)}
-            both = async_cost = None
             if (a, k) in overlapped:
                 quads = [(run["async plain"], run[("async", (a, k))]) for run in done]
                 both = Spread.of([s["tokens_per_s"] / q["tokens_per_s"] for q, s in quads])
                 # with a step always in flight a step's record spans two steps of the loop:
                 # the loop's period (span over steps) is what each step costs it
                 async_cost = Spread.of([_period(s) / _period(q) for q, s in quads]).median
-            row |= {"async_relative_cost": async_cost if both else math.nan,
-                    "async_predicted": expected / async_cost if both else math.nan,
-                    "async_tokens_per_forward":
-                        sum(s["emitted"] for _, s in quads) / sum(s["steps"] for _, s in quads)
-                        if both else math.nan,
-                    "async_speedup": both.median if both else math.nan,
-                    "async_speedup_low": both.low if both else math.nan,
-                    "async_speedup_high": both.high if both else math.nan,
-                    "async_spec_ms_per_token": _ms_per_token(s for _, s in quads)
-                    if both else math.nan,
-                    "async_same_tokens": all(s["tokens"] == p["tokens"]
-                                             for (p, _), (_, s) in zip(pairs, quads))
-                    if both else True}
+                row |= {"async_relative_cost": async_cost,
+                        "async_predicted": expected / async_cost,
+                        "async_tokens_per_forward": sum(s["emitted"] for _, s in quads)
+                        / sum(s["steps"] for _, s in quads),
+                        "async_speedup": both.median, "async_speedup_low": both.low,
+                        "async_speedup_high": both.high,
+                        "async_spec_ms_per_token": _ms_per_token(s for _, s in quads),
+                        "async_same_tokens": all(s["tokens"] == p["tokens"]
+                                                 for (p, _), (_, s) in zip(pairs, quads))}
+            else:  # measured for the largest k only
+                row |= dict.fromkeys(ASYNC_COLUMNS, math.nan) | {"async_same_tokens": True}
         rows.append(row)
     return pd.DataFrame(rows)
 
